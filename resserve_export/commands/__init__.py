@@ -1,0 +1,1 @@
+"""One module per CLI command: a thin Typer function over pure functions elsewhere."""

@@ -1,0 +1,14 @@
+"""User-facing errors: one line that says what is wrong and what to do."""
+
+
+class UserError(Exception):
+    """An error caused by the user's input. The CLI prints it on one line and exits non-zero."""
+
+    exit_code = 2
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message

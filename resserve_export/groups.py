@@ -1,0 +1,82 @@
+"""Which linears are quantized, and which share an input (fused at serving time).
+
+q/k/v of one attention block and gate/up of one MLP read the same activation: they form one
+decision group with one ratio, one mask and (NVFP4) one input_scale / weight_scale_2 (SPEC §3, §5).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Never quantized (SPEC §7): embeddings, lm_head, norms, routers.
+_SKIP = re.compile(r"(^|\.)(lm_head|embed_tokens|wte|wpe|embed_out|gate|router|mlp\.gate|block_sparse_moe\.gate)$")
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+_EXPERTS = re.compile(r"\.experts\.")
+
+
+@dataclass(frozen=True)
+class Group:
+    """A decision unit: member module paths sharing one input, and their common in_features."""
+
+    modules: tuple[str, ...]
+    in_features: int
+    out_features: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        return self.modules[0] if len(self.modules) == 1 else "+".join(self.modules)
+
+    @property
+    def weight_count(self) -> int:
+        return sum(n * self.in_features for n in self.out_features)
+
+
+def is_quantized(name: str) -> bool:
+    return _SKIP.search(name) is None
+
+
+def expert_modules(names: list[str]) -> list[str]:
+    """Linears inside MoE experts (not supported yet)."""
+    return [n for n in names if _EXPERTS.search(n)]
+
+
+def group_linears(linears: dict[str, tuple[int, int]]) -> list[Group]:
+    """Group ``{module: (out_features, in_features)}`` into decision groups, in module order."""
+    names = [n for n in linears if is_quantized(n)]
+    taken: set[str] = set()
+    groups: list[Group] = []
+    for n in names:
+        if n in taken:
+            continue
+        parent, _, leaf = n.rpartition(".")
+        members = [n]
+        for fused in _FUSED:
+            if leaf in fused:
+                members = [f"{parent}.{x}" if parent else x for x in fused if (f"{parent}.{x}" if parent else x) in linears]
+                break
+        taken.update(members)
+        ins = {linears[m][1] for m in members}
+        if len(ins) != 1:
+            members = [n]
+        groups.append(Group(tuple(members), linears[n][1], tuple(linears[m][0] for m in members)))
+    return groups
+
+
+def linears_of(model) -> dict[str, tuple[int, int]]:
+    """``{module path: (out_features, in_features)}`` for every nn.Linear of a model."""
+    import torch
+
+    return {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def linears_from_shapes(shapes: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, tuple[int, int]]:
+    """The same from safetensors headers: every 2-D ``<module>.weight`` (no model needed)."""
+    out = {}
+    for k, (_, shape) in shapes.items():
+        if k.endswith(".weight") and len(shape) == 2:
+            mod = k[: -len(".weight")]
+            if "norm" in mod.rsplit(".", 1)[-1] or "embed" in mod:
+                continue
+            out[mod] = (shape[0], shape[1])
+    return out

