@@ -1,0 +1,128 @@
+"""Emulated W4A4 linears with residue compensation: the numerical reference of what a server runs.
+
+Weights are quantized once (base and, for partial ratios, the K-Ext extension) and kept
+dequantized in FP32; activations are quantized per call with the static α_x (NVFP4), and the
+product is computed in FP32:
+
+  plain   Y = X̂ Ŵᵀ
+  k_ext   Y = X̂ Ŵᵀ + R̂_S Ŵ_Sᵀ      (R̂_S: selected residues in the extension blocks, SPEC §5–§6)
+  full    Y = X̂ Ŵᵀ + R̂ Ŵᵀ         (every channel's residue, M-Ext)
+
+Scores, `verify` and the vLLM plugin's reference all use this module (no second implementation).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .formats import dequantize, quantize
+from .kext import _compact, ext_width, extend_weight, residue
+from .mxfp4 import ScaleRounding
+from .nvfp4 import global_scale
+from .selection import check_ratio, mode_of
+
+
+class QuantizedWeight:
+    """A linear's weight in FP4 (base + optional extension), dequantized once to FP32."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        fmt: str,
+        *,
+        ratio: float = 0.0,
+        mask: torch.Tensor | None = None,
+        weight_alpha: torch.Tensor | None = None,
+        rounding: ScaleRounding | str = ScaleRounding.CEIL,
+    ):
+        self.fmt, self.ratio, self.rounding = fmt, check_ratio(ratio), ScaleRounding(rounding)
+        self.mask = mask
+        if fmt == "nvfp4" and weight_alpha is None:
+            weight_alpha = global_scale(weight.abs().amax())
+        self.base = quantize(weight, fmt, alpha=weight_alpha, rounding=rounding)
+        self.w = dequantize(self.base)
+        self.ext = None
+        self.w_ext = None
+        if ext_width(weight.shape[-1], self.ratio, fmt):
+            if mask is None:
+                raise ValueError("a partial ratio needs a mask")
+            self.ext = extend_weight(weight, mask, self.ratio, fmt, rounding, alpha=self.base.global_scale)
+            self.w_ext = dequantize(self.ext)
+
+
+def quantized_matmul(
+    x: torch.Tensor,
+    qw: QuantizedWeight,
+    *,
+    input_alpha: torch.Tensor | None,
+    mode: str | None = None,
+) -> torch.Tensor:
+    """FP32 ``[M, N]`` output of the emulated FP4 linear for x ``[M, K]``.
+
+    `mode` overrides the weight's own mode (``plain``, ``k_ext`` or ``full``); ``k_ext`` needs an
+    extension (a partial ratio).
+    """
+    mode = mode or mode_of(qw.ratio)
+    fmt, rnd = qw.fmt, qw.rounding
+    xq = quantize(x, fmt, alpha=input_alpha, rounding=rnd, backend="reference")
+    xd = dequantize(xq)
+    y = xd @ qw.w.T
+    if mode == "plain":
+        return y
+    r = residue(x, xq)
+    if mode == "full":
+        rq = quantize(r, fmt, alpha=xq.global_scale, rounding=rnd, backend="reference")
+        return y + dequantize(rq) @ qw.w.T
+    if qw.w_ext is None:
+        raise ValueError("k_ext needs a partial ratio with an extension")
+    rs = _compact(r, qw.mask, qw.w_ext.shape[-1])
+    rsq = quantize(rs, fmt, alpha=xq.global_scale, rounding=rnd, backend="reference")
+    return y + dequantize(rsq) @ qw.w_ext.T
+
+
+class EmulatedLinear(nn.Module):
+    """Drop-in replacement for an ``nn.Linear`` that runs the emulated FP4 path.
+
+    decode_rows: when set, inputs with at most this many rows use full compensation and larger
+    ones the layer's own mode (the serving rule of SPEC §10: decode full, prefill ratio).
+    """
+
+    def __init__(
+        self,
+        linear: nn.Linear,
+        fmt: str,
+        *,
+        input_amax: torch.Tensor | float | None,
+        ratio: float = 0.0,
+        mask: torch.Tensor | None = None,
+        weight_alpha: torch.Tensor | None = None,
+        input_alpha: torch.Tensor | None = None,
+        rounding: ScaleRounding | str = ScaleRounding.CEIL,
+        mode: str | None = None,
+        decode_rows: int | None = None,
+    ):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.qw = QuantizedWeight(
+            linear.weight.detach(), fmt, ratio=ratio, mask=mask, weight_alpha=weight_alpha, rounding=rounding
+        )
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+        if fmt == "nvfp4" and input_alpha is None:
+            if input_amax is None:
+                raise ValueError("NVFP4 activations need a calibrated amax")
+            input_alpha = global_scale(torch.as_tensor(input_amax))
+        self.input_alpha = input_alpha
+        self.mode = mode or mode_of(ratio)
+        self.decode_rows = decode_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        mode = self.mode
+        if self.decode_rows is not None and x2.shape[0] <= self.decode_rows and mode != "plain":
+            mode = "full"
+        y = quantized_matmul(x2, self.qw, input_alpha=self.input_alpha, mode=mode)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
