@@ -21,9 +21,15 @@ def global_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def block_scales(block_amax: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """E4M3 block scales from FP32 block amax and α."""
-    s = block_amax.float() / (F4_E2M1_MAX * alpha)
-    s = torch.where(s == 0, torch.ones_like(s), s)
+    """E4M3 block scales from FP32 block amax and α.
+
+    A zero scale becomes 1.0 (ModelOpt's rule). An all-zero block of an all-zero tensor (α = 0)
+    gives 0/0 here; ModelOpt leaves that NaN (NaN scales, code 7), we give it 1.0 as well so an
+    all-zero tensor dequantizes to zeros. Every other case, including NaN inputs, is unchanged.
+    """
+    block_amax = block_amax.float()
+    s = block_amax / (F4_E2M1_MAX * alpha)
+    s = torch.where((s == 0) | (block_amax == 0), torch.ones_like(s), s)
     return s.clamp(min=F8_E4M3_MIN_SCALE, max=F8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
