@@ -1,8 +1,45 @@
 """`resserve-export pack`."""
 
-from ..errors import UserError
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..constants import FORMATS
 
 
-def command() -> None:
-    """Not implemented yet."""
-    raise UserError("'pack' is not implemented yet in this version")
+def command(
+    model: str = typer.Argument(..., help="HF model directory, GGUF file or cached hub id"),
+    calib: Path = typer.Option(..., "--calib", help="calibration directory written by `calibrate`"),
+    out: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
+    ratio: Optional[float] = typer.Option(None, "--ratio", help="one prefill ratio for every layer: 0, 0.125, 0.25, 0.5 or 1"),
+    plan: Optional[Path] = typer.Option(None, "--plan", help="plan.json from `plan` (per-layer ratios)"),
+    fmt: str = typer.Option("nvfp4", "--format", help=f"element format: {' | '.join(FORMATS)}"),
+    mx_scale: str = typer.Option("ceil", "--mx-scale", help="MXFP4 scale rounding: ceil | floor | even"),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="largest safetensors shard, e.g. 5GB, 500MB"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out directory"),
+) -> None:
+    """Write an FP4 checkpoint (plain part for stock vLLM + resserve sidecar) from calibration and a ratio or plan."""
+    from rich.console import Console
+
+    from ..pack import pack
+
+    res = pack(
+        model,
+        calib,
+        out,
+        fmt,
+        ratio=ratio,
+        plan=plan,
+        mx_scale=mx_scale,
+        device=device,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+    )
+    Console(stderr=True).print(
+        f"wrote {res.out} ({res.bytes_written / 2**30:.3f} GiB, {res.groups} groups, "
+        f"{res.model_files} model + {res.sidecar_files} sidecar shards) in {res.seconds:.1f} s"
+    )

@@ -1,0 +1,508 @@
+"""`pack`: stream a bf16 HF checkpoint into an NVFP4 / MXFP4 checkpoint with masks and K-Ext
+extensions (SPEC §3–§7).
+
+The whole output layout (every tensor's name, dtype and shape, and the shard split) follows
+from the source's safetensors headers, the decision groups and their ratios (`build_layout`),
+so `size` computes exact byte counts with the same function, headers are written first and
+tensors stream to disk one at a time. Source tensors are read by offset (no mmap); a fused
+group (q/k/v, gate/up) is read member by member wherever its shards are, so the peak memory
+is one group's weights plus the runtime.
+
+Atomic: everything is built in a hidden sibling ``.CKPT.partial-<pid>`` directory, fsynced
+and renamed at the end; a later run removes partial directories of dead processes.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .checkpoint import (
+    HF_QUANT_CONFIG,
+    MODEL_INDEX,
+    MODEL_PREFIX,
+    SIDECAR_INDEX,
+    SIDECAR_PREFIX,
+    SafetensorsFiles,
+    ShardedWriter,
+    TensorSpec,
+    dump_json,
+    file_bytes,
+    natural_key,
+    nvfp4_hf_quant_config,
+    parse_size,
+    quant_tensor_names,
+    quantization_config,
+    resserve_section,
+    split_shards,
+    st_dtype,
+    _fsync_write,
+)
+from .constants import BLOCK, FORMATS, RATIOS, SELECTION_GROUP
+from .errors import UserError
+from .groups import Group, expert_modules, group_linears, linears_from_shapes
+from .kext import ext_width
+from .mxfp4 import ScaleRounding
+
+# Files of a source model that are weights or that we write ourselves: never copied.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt", ".onnx")
+_OWN_FILES = {"config.json", MODEL_INDEX, SIDECAR_INDEX, HF_QUANT_CONFIG, "pytorch_model.bin.index.json"}
+_FLOAT_DTYPES = {"BF16", "F16", "F32"}
+SLOW_ENV = "RESSERVE_TEST_SLOW_PACK"  # seconds to sleep per item (tests of interrupted packs)
+
+
+# --------------------------------------------------------------------------------------------
+# Layout: what the checkpoint will contain, from shapes alone
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Layout:
+    """Every output tensor in write order, the work items producing them, and group records."""
+
+    fmt: str
+    items: list[tuple[str, object]]  # ("copy", name) | ("group", Group)
+    model: list[TensorSpec]
+    sidecar: list[TensorSpec]
+    groups: list[dict]
+    tensor_class: dict[str, str] = field(default_factory=dict)
+
+    def shards(self, max_bytes: int) -> tuple[list[list[TensorSpec]], list[list[TensorSpec]]]:
+        return split_shards(self.model, max_bytes), split_shards(self.sidecar, max_bytes)
+
+
+def _member_specs(fmt: str, module: str, N: int, K: int, ratio: float) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    b = BLOCK[fmt]
+    names = quant_tensor_names(fmt)
+    if fmt == "nvfp4":
+        plain = [
+            TensorSpec(f"{module}.{names[0]}", "U8", (N, K // 2)),
+            TensorSpec(f"{module}.{names[1]}", "F8_E4M3", (N, K // b)),
+            TensorSpec(f"{module}.{names[2]}", "F32", ()),
+            TensorSpec(f"{module}.{names[3]}", "F32", ()),
+        ]
+    else:
+        plain = [TensorSpec(f"{module}.{names[0]}", "U8", (N, K // 2)), TensorSpec(f"{module}.{names[1]}", "U8", (N, K // b))]
+    side: list[TensorSpec] = []
+    if ratio > 0:
+        side.append(TensorSpec(f"{module}.resserve_mask", "U8", (K // SELECTION_GROUP,)))
+    K_E = ext_width(K, ratio, fmt)
+    if K_E:
+        side.append(TensorSpec(f"{module}.resserve_weight", "U8", (N, K_E // 2)))
+        side.append(TensorSpec(f"{module}.resserve_weight_scale", "F8_E4M3" if fmt == "nvfp4" else "U8", (N, K_E // b)))
+    return plain, side
+
+
+def model_groups(shapes: dict[str, tuple[str, tuple[int, ...]]]) -> list[Group]:
+    """Decision groups of a checkpoint from its headers; MoE experts are refused."""
+    linears = linears_from_shapes(shapes)
+    experts = expert_modules(sorted(linears, key=natural_key))
+    if experts:
+        more = f" and {len(experts) - 3} more" if len(experts) > 3 else ""
+        raise UserError(f"MoE expert linears are not supported yet: {', '.join(experts[:3])}{more}")
+    ordered = {m: linears[m] for m in sorted(linears, key=natural_key)}
+    return group_linears(ordered)
+
+
+def build_layout(
+    shapes: dict[str, tuple[str, tuple[int, ...]]],
+    groups: list[Group],
+    ratios: dict[str, float],
+    fmt: str,
+    tied: bool,
+) -> Layout:
+    """The output layout for source tensors `shapes` (name -> (dtype, shape)).
+
+    Order is canonical (natural sort of source names, a group's outputs at its first member), so
+    the same inputs always give the same files. `ratios` maps ``group.name`` to ρ.
+    """
+    b = BLOCK[fmt]
+    member_of = {m: g for g in groups for m in g.modules}
+    items: list[tuple[str, object]] = []
+    model: list[TensorSpec] = []
+    sidecar: list[TensorSpec] = []
+    cls: dict[str, str] = {}
+    records: list[dict] = []
+    done: set[str] = set()
+    names = sorted(shapes, key=natural_key)
+    has_embed = any(n.endswith("embed_tokens.weight") for n in names)
+    for name in names:
+        dtype, shape = shapes[name]
+        if tied and name == "lm_head.weight" and has_embed:
+            continue  # tied embeddings are stored once
+        mod = name[: -len(".weight")] if name.endswith(".weight") else None
+        g = member_of.get(mod) if mod else None
+        if g is None:
+            items.append(("copy", name))
+            model.append(TensorSpec(name, dtype, tuple(shape)))
+            cls[name] = "unquantized"
+            continue
+        if g.name in done:
+            continue
+        done.add(g.name)
+        K = g.in_features
+        bad = [m for m in g.modules if shapes[f"{m}.weight"][0] not in _FLOAT_DTYPES]
+        if bad:
+            raise UserError(f"{bad[0]}.weight has dtype {shapes[bad[0] + '.weight'][0]}: pack needs bf16/fp16/fp32 weights")
+        if K % b:
+            raise UserError(
+                f"{', '.join(g.modules)}: in_features {K} is not a multiple of the {fmt} block size {b}; "
+                "this model cannot be packed in that format"
+            )
+        ratio = ratios[g.name]
+        K_E = ext_width(K, ratio, fmt)
+        for m, N in zip(g.modules, g.out_features):
+            plain, side = _member_specs(fmt, m, N, K, ratio)
+            model += plain
+            sidecar += side
+            for s in plain:
+                cls[s.name] = "linear"
+            for s in side:
+                cls[s.name] = "mask" if s.name.endswith("resserve_mask") else "extension"
+        items.append(("group", g))
+        mode = "plain" if ratio == 0 else ("full" if ratio == 1 else "k_ext")
+        records.append({"members": list(g.modules), "ratio": ratio, "mode": mode, "K": K, "K_E": K_E})
+    return Layout(fmt, items, model, sidecar, records, cls)
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs: calibration and ratios
+# --------------------------------------------------------------------------------------------
+
+
+def load_calibration(calib: Path, model_fingerprint: str, groups: list[Group]) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """(calibration.json, {module: (mean_abs, amax)}) checked against the model."""
+    calib = Path(calib)
+    meta_path, sal_path = calib / "calibration.json", calib / "salience.safetensors"
+    if not meta_path.exists() or not sal_path.exists():
+        raise UserError(f"{calib} is not a calibration directory (needs calibration.json and salience.safetensors): run `resserve-export calibrate` first")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except ValueError:
+        raise UserError(f"{meta_path} is not valid JSON: re-run calibrate") from None
+    if meta.get("fingerprint") != model_fingerprint:
+        raise UserError(
+            f"calibration in {calib} was made for another model (fingerprint {str(meta.get('fingerprint'))[:12]}…, "
+            f"this model {model_fingerprint[:12]}…): calibrate this model"
+        )
+    sal = SafetensorsFiles([sal_path])
+    missing = [m for g in groups for m in g.modules if f"{m}.mean_abs" not in sal or f"{m}.amax" not in sal]
+    if missing:
+        more = f" and {len(missing) - 2} more" if len(missing) > 2 else ""
+        raise UserError(f"calibration in {calib} has no statistics for {', '.join(missing[:2])}{more}: re-run calibrate on this model")
+    stats = {}
+    for g in groups:
+        for m in g.modules:
+            mean_abs, amax = sal.get(f"{m}.mean_abs").float(), sal.get(f"{m}.amax").float().reshape(())
+            if mean_abs.shape != (g.in_features,):
+                raise UserError(f"calibration {m}.mean_abs has shape {tuple(mean_abs.shape)}, expected ({g.in_features},): re-run calibrate")
+            stats[m] = (mean_abs, amax)
+    return meta, stats
+
+
+def check_ratio_arg(ratio: float) -> float:
+    if float(ratio) not in RATIOS:
+        raise UserError(f"ratio {ratio} is not allowed: choose one of {', '.join(str(r) for r in RATIOS)}")
+    return float(ratio)
+
+
+def load_ratios(
+    groups: list[Group], ratio: float | None, plan: Path | None, model_fingerprint: str | None
+) -> tuple[dict[str, float], dict | None]:
+    """({group name: ρ}, plan provenance or None) from ``--ratio`` or ``--plan``."""
+    if (ratio is None) == (plan is None):
+        raise UserError("pass exactly one of --ratio R or --plan plan.json")
+    if plan is None:
+        r = check_ratio_arg(ratio)
+        return {g.name: r for g in groups}, None
+    plan = Path(plan)
+    try:
+        data = json.loads(plan.read_text())
+    except FileNotFoundError:
+        raise UserError(f"plan {plan} does not exist: run `resserve-export plan` or pass --ratio") from None
+    except ValueError:
+        raise UserError(f"plan {plan} is not valid JSON: re-run plan") from None
+    fp = data.get("fingerprint")
+    if fp is not None and model_fingerprint is not None and fp != model_fingerprint:
+        raise UserError(f"plan {plan} was made for another model (fingerprint mismatch): plan again for this model")
+    by_members = {}
+    for e in data.get("groups", []):
+        by_members[tuple(e.get("modules", []))] = e.get("ratio")
+    out = {}
+    for g in groups:
+        if g.modules not in by_members:
+            raise UserError(f"plan {plan} has no ratio for {', '.join(g.modules)}: it was made for another model, plan again")
+        r = by_members[g.modules]
+        if r is None or float(r) not in RATIOS:
+            raise UserError(f"plan {plan} gives ratio {r} to {g.name}: allowed ratios are {', '.join(str(x) for x in RATIOS)}")
+        out[g.name] = float(r)
+    extra = set(by_members) - {g.modules for g in groups}
+    if extra:
+        raise UserError(f"plan {plan} names modules this model lacks ({', '.join(sorted(extra)[0])}): plan again for this model")
+    prov = {k: data.get(k) for k in ("budget", "achieved_bits", "satisfied", "method") if k in data}
+    return out, prov
+
+
+# --------------------------------------------------------------------------------------------
+# Pack
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackResult:
+    out: Path
+    model_files: int
+    sidecar_files: int
+    bytes_written: int
+    seconds: float
+    groups: int
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _clean_stale(out: Path) -> None:
+    """Remove partial directories left by packs that were killed."""
+    for p in out.parent.glob(f".{out.name}.partial-*"):
+        try:
+            pid = int(p.name.rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        if not _pid_alive(pid):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _copy_files(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for p in sorted(src.iterdir()):
+        if not p.is_file() or p.name.startswith(".") or p.name in _OWN_FILES or p.name.endswith(_WEIGHT_SUFFIXES):
+            continue
+        shutil.copyfile(p, dst / p.name)
+        with open(dst / p.name, "rb") as f:
+            os.fsync(f.fileno())
+        copied.append(p.name)
+    return copied
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def pick_device(device: str) -> torch.device:
+    if device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"unknown device {device!r}: choose auto, cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked but no CUDA GPU is visible: use --device cpu or auto")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def pack(
+    model: str | os.PathLike,
+    calib: str | os.PathLike,
+    out: str | os.PathLike,
+    fmt: str = "nvfp4",
+    *,
+    ratio: float | None = None,
+    plan: str | os.PathLike | None = None,
+    mx_scale: str = "ceil",
+    device: str = "auto",
+    max_shard_size: str | int = "5GB",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> PackResult:
+    """Write the checkpoint directory of SPEC §7 to `out` (see the module docstring)."""
+    from . import modelio
+
+    t0 = time.perf_counter()
+    if fmt not in FORMATS:
+        raise UserError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    try:
+        rounding = ScaleRounding(mx_scale)
+    except ValueError:
+        raise UserError(f"unknown --mx-scale {mx_scale!r}: choose one of {', '.join(r.value for r in ScaleRounding)}") from None
+    if ratio is not None:
+        check_ratio_arg(ratio)
+    max_bytes = parse_size(max_shard_size)
+    dev = pick_device(device)
+    out = Path(out).expanduser().absolute()
+    if out.exists() and not overwrite:
+        raise UserError(f"{out} already exists: pass --overwrite to replace it or choose another --out")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} exists and is not a directory: remove it or choose another --out")
+    model_dir = modelio.resolve_model(model)
+    source = SafetensorsFiles(modelio.weight_files(model_dir))
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if cfg.get("quantization_config"):
+        raise UserError(f"{model_dir} is already quantized ({cfg['quantization_config'].get('quant_method')}): pack needs a bf16/fp16 model")
+    shapes = source.shapes()
+    groups = model_groups(shapes)
+    fingerprint = modelio.fingerprint(model_dir)
+    calib_meta, stats = load_calibration(Path(calib), fingerprint, groups)
+    ratios, plan_prov = load_ratios(groups, ratio, Path(plan) if plan is not None else None, fingerprint)
+    # transformers ties input and output embeddings unless the config says otherwise.
+    tied = bool(cfg.get("tie_word_embeddings", True))
+    layout = build_layout(shapes, groups, ratios, fmt, tied)
+    model_shards, side_shards = layout.shards(max_bytes)
+
+    need = file_bytes(model_shards) + file_bytes(side_shards)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out.parent).free
+    if free < need:
+        raise UserError(f"not enough disk space in {out.parent}: the checkpoint needs {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
+
+    provenance = {
+        "producer": {"name": "resserve-export", "version": __version__},
+        "model_fingerprint": fingerprint,
+        "calibration": {k: calib_meta.get(k) for k in ("model", "dataset", "num_samples", "num_tokens", "seq_len", "seed")},
+        "ratio": ratio if plan is None else None,
+        "plan": plan_prov,
+    }
+    ignore = ["lm_head"]
+    qc = quantization_config(fmt, ignore, resserve_section(fmt, rounding.value, layout.groups, provenance), __version__)
+    new_cfg = dict(cfg)
+    new_cfg["quantization_config"] = qc
+
+    _clean_stale(out)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    mw = ShardedWriter(tmp, MODEL_PREFIX, model_shards)
+    sw = ShardedWriter(tmp, SIDECAR_PREFIX, side_shards)
+    try:
+        _stream(layout, source, stats, ratios, fmt, rounding, dev, mw, sw, progress)
+        mw.close()
+        sw.close()
+        _fsync_write(tmp / MODEL_INDEX, dump_json(mw.index()))
+        if side_shards:
+            _fsync_write(tmp / SIDECAR_INDEX, dump_json(sw.index()))
+        _copy_files(model_dir, tmp)
+        if fmt == "nvfp4":
+            _fsync_write(tmp / HF_QUANT_CONFIG, dump_json(nvfp4_hf_quant_config(ignore, __version__)))
+        _fsync_write(tmp / "config.json", dump_json(new_cfg))
+        _fsync_dir(tmp)
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+        os.replace(tmp, out)
+        _fsync_dir(out.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        mw.abort()
+        sw.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno == errno.ENOSPC:
+            raise UserError(
+                f"no space left on the device while writing {out.name} (it needs about {need / 1e9:.2f} GB): "
+                "free space or choose another --out; nothing was written"
+            ) from None
+        raise UserError(f"writing {out} failed: {e.strerror or e}; nothing was written") from None
+    except BaseException:
+        mw.abort()
+        sw.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    written = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    return PackResult(out, len(model_shards), len(side_shards), written, time.perf_counter() - t0, len(groups))
+
+
+def _progress(enabled: bool):
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    return Progress(
+        TextColumn("[bold]pack[/] {task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        disable=not enabled,
+        transient=False,
+    )
+
+
+def _stream(layout, source, stats, ratios, fmt, rounding, dev, mw, sw, progress) -> None:
+    from . import formats, nvfp4
+    from .kext import extend_weight
+    from .selection import select_mask
+
+    slow = float(os.environ.get(SLOW_ENV, "0") or 0)
+    total_bytes = sum(
+        source.entries[n].nbytes if kind == "copy" else sum(source.entries[f"{m}.weight"].nbytes for m in n.modules)
+        for kind, n in layout.items
+    )
+    with _progress(progress) as bar:
+        task = bar.add_task("", total=total_bytes)
+        n = len(layout.items)
+        for i, (kind, item) in enumerate(layout.items):
+            if kind == "copy":
+                bar.update(task, description=f"{i + 1}/{n} {item[-40:]}")
+                mw.write_raw(item, source.iter_bytes(item))
+                bar.advance(task, source.entries[item].nbytes)
+            else:
+                g: Group = item
+                bar.update(task, description=f"{i + 1}/{n} {g.modules[0][-40:]}")
+                _pack_group(g, source, stats, ratios[g.name], fmt, rounding, dev, mw, sw, formats, nvfp4, extend_weight, select_mask)
+                bar.advance(task, sum(source.entries[f"{m}.weight"].nbytes for m in g.modules))
+            if slow:
+                time.sleep(slow)
+
+
+def _pack_group(g, source, stats, ratio, fmt, rounding, dev, mw, sw, formats, nvfp4, extend_weight, select_mask) -> None:
+    names = quant_tensor_names(fmt)
+    amax_x = torch.stack([stats[m][1] for m in g.modules]).max()
+    mask = select_mask(stats[g.modules[0]][0], ratio) if ratio > 0 else None
+    alpha = None
+    if fmt == "nvfp4":
+        # One weight_scale_2 for the fused group: the max over members of amax(W) / 2688.
+        amax_w = torch.zeros((), dtype=torch.float32)
+        for m in g.modules:
+            amax_w = torch.maximum(amax_w, source.get(f"{m}.weight").abs().amax().float())
+        alpha = nvfp4.global_scale(amax_w).to(dev)
+    input_scale = nvfp4.global_scale(amax_x).reshape(())
+    for m in g.modules:
+        w = source.get(f"{m}.weight").to(dev)
+        q = formats.quantize(w, fmt, alpha=alpha, rounding=rounding)
+        mw.write(f"{m}.{names[0]}", q.codes)
+        mw.write(f"{m}.{names[1]}", q.scales)
+        if fmt == "nvfp4":
+            mw.write(f"{m}.{names[2]}", q.global_scale.reshape(()).float())
+            mw.write(f"{m}.{names[3]}", input_scale.float())
+        if mask is not None:
+            sw.write(f"{m}.resserve_mask", mask)
+            ext = extend_weight(w, mask.to(dev), ratio, fmt, rounding, alpha=alpha)
+            if ext is not None:
+                sw.write(f"{m}.resserve_weight", ext.codes)
+                sw.write(f"{m}.resserve_weight_scale", ext.scales)
+        del w, q
+
+
+__all__ = ["pack", "build_layout", "model_groups", "Layout", "PackResult", "load_ratios", "load_calibration"]
