@@ -32,6 +32,10 @@ class ScaleRounding(str, Enum):
     FLOOR = "floor"
     EVEN = "even"
 
+    @classmethod
+    def _missing_(cls, value):
+        raise ValueError(f"unknown MXFP4 scale rounding {value!r}, available: {[m.value for m in cls]}")
+
 
 def _exp_field(v: torch.Tensor) -> torch.Tensor:
     return (v.float().contiguous().view(torch.int32) & _EXP_MASK) >> _MANT_BITS
