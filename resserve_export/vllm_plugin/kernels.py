@@ -1,0 +1,89 @@
+"""A pure-torch MXFP4 linear kernel for vLLM's CPU platform.
+
+vLLM's ``EmulationMxfp4LinearKernel`` dequantizes weights and quantizes activations through
+``amd-quark`` kernels that exist only for CUDA devices. This one does the same arithmetic with
+our reference quantizer: the weight is dequantized once at load to the model dtype (E2M1 values
+times a power of two are exact in bf16/fp16/fp32), activations are quantized and dequantized per
+call in FP32 and cast back to the model dtype, and the product is one ``F.linear`` in that dtype.
+
+Activation scale rounding: the checkpoint's ``resserve.mx_scale_rounding`` when it has one (so
+serving rounds like `pack` and `verify` do), otherwise ``even``, the rule of vLLM's own MXFP4
+emulation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn import Parameter
+from vllm.model_executor.kernels.linear.mxfp4.base import MxFp4LinearKernel, MxFp4LinearLayerConfig
+from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp4Dynamic
+from vllm.platforms import current_platform
+
+from ..formats import dequantize, quantize
+from ..mxfp4 import ScaleRounding
+from ..qtensor import FP4Tensor
+
+DEFAULT_ROUNDING = ScaleRounding.EVEN
+
+
+def checkpoint_quant_config() -> dict | None:
+    """``quantization_config`` of the model being built, if vLLM's config context has one."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    cfg = get_current_vllm_config_or_none()
+    mc = getattr(cfg, "model_config", None)
+    qc = getattr(getattr(mc, "hf_config", None), "quantization_config", None)
+    if qc is not None and not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(qc)
+    return qc
+
+
+def checkpoint_rounding() -> ScaleRounding:
+    qc = checkpoint_quant_config() or {}
+    rnd = (qc.get("resserve") or {}).get("mx_scale_rounding")
+    return ScaleRounding(rnd) if rnd else DEFAULT_ROUNDING
+
+
+def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """FP32 ``[N, K]`` from packed codes ``[N, K/2]`` and E8M0 scales ``[N, K/32]``."""
+    return dequantize(FP4Tensor("mxfp4", codes, scales.view(torch.uint8), None))
+
+
+def qdq_mxfp4(x: torch.Tensor, rounding: ScaleRounding) -> torch.Tensor:
+    """MXFP4 quantize-dequantize of activations along the last dim, FP32 result."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).float()
+    q = quantize(x2, "mxfp4", rounding=rounding, backend="reference")
+    return dequantize(q).reshape(shape)
+
+
+class CpuMxfp4LinearKernel(MxFp4LinearKernel):
+    """MXFP4 W4A4 (or W4A16) linear on CPU by emulation, no external kernels."""
+
+    def __init__(self, config: MxFp4LinearLayerConfig) -> None:
+        super().__init__(config)
+        self.quantize_input = config.activation_quant_key is not None
+        self.rounding = checkpoint_rounding()
+
+    @classmethod
+    def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
+        if not current_platform.is_cpu():
+            return False, "only for the CPU platform"
+        return True, None
+
+    @classmethod
+    def can_implement(cls, config: MxFp4LinearLayerConfig) -> tuple[bool, str | None]:
+        if config.activation_quant_key not in (None, kMxfp4Dynamic):
+            return False, "only MXFP4 or unquantized activations"
+        return True, None
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        dtype = getattr(layer, "params_dtype", torch.bfloat16)
+        w = dequantize_mxfp4(layer.weight.data, layer.weight_scale.data).to(dtype)
+        layer.weight = Parameter(w.contiguous(), requires_grad=False)
+
+    def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.quantize_input:
+            x = qdq_mxfp4(x, self.rounding).to(x.dtype)
+        return F.linear(x, layer.weight.to(x.dtype), bias)
