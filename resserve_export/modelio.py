@@ -150,3 +150,46 @@ def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+def parse_device(device: str) -> str:
+    """Check a ``--device`` value: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+    import torch
+
+    d = str(device).strip().lower()
+    if d in ("auto", "cpu"):
+        return d
+    if d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {device}: no CUDA GPU is visible; use --device cpu or auto")
+        if ":" in d and int(d[5:]) >= torch.cuda.device_count():
+            raise UserError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+        return d
+    raise UserError(f"unknown --device {device!r}: use auto, cpu, cuda or cuda:N")
+
+
+def load_model_on(model_dir: Path, device: str = "auto", dtype: str = "bfloat16", offload_folder: Path | None = None):
+    """Load for inference on ``device``.
+
+    ``auto``: with CUDA, accelerate's ``device_map="auto"`` spreads the layers over every visible GPU,
+    then CPU memory, then disk (``offload_folder``) — a model larger than one device still runs;
+    without CUDA, the CPU. ``cpu`` / ``cuda`` / ``cuda:N``: the whole model on that device.
+    """
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    d = parse_device(device)
+    if d == "cpu" or (d == "auto" and not torch.cuda.is_available()):
+        return load_model(model_dir, dtype)
+    if d == "auto":
+        from transformers import AutoModelForCausalLM
+
+        hf_logging.set_verbosity_error()
+        kw = {"dtype": getattr(torch, dtype), "device_map": "auto"}
+        if offload_folder is not None:
+            kw["offload_folder"] = str(offload_folder)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **kw)
+        model.eval()
+        return model
+    return load_model(model_dir, dtype, device_map={"": d})

