@@ -1,0 +1,292 @@
+// Fused quantize-and-extend for FP4 activations with residue compensation (SPEC §3-§6, §11).
+//
+//   x [M, K] (bf16 or fp16)  ->  base FP4 codes + block scales of x, and in the same pass the
+//   selected residues r = x - QDQ(x), compacted per mask byte and quantized into the extension
+//   columns of the extended activation [X^ | R^_S | 0] (width K + K_E, zero padded).
+//   ratio 0: base only; ratio 1 ("full"): base + every channel's residue in separate tensors.
+//
+// Build check (no torch headers here; the torch binding is binding.cpp):
+//   nvcc -std=c++17 -O3 -fmad=false -arch=sm_90 -c kernels/quantize_extend.cu
+//
+// Layout of the work: one thread = one selection group = 8 consecutive channels of one row,
+// loaded with one 16-byte load. A CTA covers THREADS consecutive groups of one row, so a warp
+// never straddles rows and lane l holds group 32w + l. Block amax is reduced with warp shuffles
+// over adjacent lanes: NVFP4 (16) = 2 lanes, MXFP4 (32) = 4 lanes. With k = 8*ratio channels
+// selected in every group, group g's residues land at compacted positions g*k .. g*k + k - 1,
+// so a residue block of B values spans B/k adjacent lanes (again a shuffle reduction).
+// Lanes past the last group (up to K_E/k) carry zero residues and write the zero padding.
+//
+// Arithmetic is the reference's, operation for operation (nvfp4.py, mxfp4.py, fp4.py), written
+// with explicit round-to-nearest intrinsics so that no multiply is fused into an add; build with
+// -fmad=false all the same. NVFP4: s = amax / (6*alpha) (product first), 0 -> 1, clamp
+// [2^-9, 448], E4M3 RNE; code = E2M1(x / (float(s)*alpha)) (product first, one IEEE division).
+// MXFP4: exponent from the FP32 bits (ceil / floor / even), x * 2^-e (exact, equal to x / 2^e).
+// E2M1 rounding is done in integer/float code (Hopper has no FP4 conversion instruction).
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace resserve {
+
+constexpr int kGroup = 8;
+constexpr int kThreads = 128;
+constexpr unsigned kFull = 0xffffffffu;
+
+enum Fmt : int { kNVFP4 = 0, kMXFP4 = 1 };
+enum Rounding : int { kCeil = 0, kFloor = 1, kEven = 2 };
+
+struct Params {
+  const void* x;         // [M, K] bf16/fp16, 16-byte aligned rows
+  const uint8_t* mask;   // [K/8] (partial ratios)
+  const float* alpha;    // NVFP4 tensor scale (device scalar)
+  uint8_t* codes;        // [M, (K + K_E)/2]
+  uint8_t* scales;       // [M, (K + K_E)/B]  E4M3 bytes or E8M0
+  uint8_t* rcodes;       // full ratio: [M, K/2]
+  uint8_t* rscales;      // full ratio: [M, K/B]
+  int64_t M;
+  int K;
+  int KE;
+  int rounding;
+  int groups;            // groups launched per row: max(K/8, K_E/k)
+};
+
+// ---------------------------------------------------------------- element and scale helpers
+
+// E2M1 magnitude code (0..7) of a >= 0, round to nearest, ties to even, saturating at 6.
+// Below 1 the grid is 0, 0.5, 1 (step 0.5): cvt.rni of 2a gives it with ties to even.
+// From 1 up the grid keeps one mantissa bit: round the FP32 pattern at bit 22 (RNE), then the
+// exponent/mantissa pair (E - 127)*2 + m + 2 is the code, i.e. (bits >> 22) - 252.
+// NaN takes the first branch and gives 0, like the reference's threshold compares.
+__device__ __forceinline__ uint32_t e2m1_magnitude(float a) {
+  if (!(a >= 1.0f)) return static_cast<uint32_t>(__float2int_rn(__fmul_rn(a, 2.0f)));
+  const uint32_t u = __float_as_uint(a);
+  const uint32_t r = (u + 0x1FFFFFu + ((u >> 22) & 1u)) >> 22;
+  return min(r - 252u, 7u);
+}
+
+// Code (sign bit 3 from the quotient's sign, as the reference's `x < 0`).
+__device__ __forceinline__ uint32_t e2m1_code(float q) {
+  return e2m1_magnitude(fabsf(q)) | (q < 0.0f ? 8u : 0u);
+}
+
+// Value of a code, FP32 (code 8 is -0).
+__device__ __forceinline__ float e2m1_value(uint32_t code) {
+  const uint32_t m = code & 7u;
+  const float v = m >= 2u ? __uint_as_float((m + 252u) << 22) : __fmul_rn(static_cast<float>(m), 0.5f);
+  return (code & 8u) ? -v : v;
+}
+
+// 2^e for integer e in [-127, 127], exact (2^-127 is subnormal).
+__device__ __forceinline__ float pow2_exact(int e) {
+  return e == -127 ? __uint_as_float(0x00400000u) : __uint_as_float(static_cast<uint32_t>(e + 127) << 23);
+}
+
+// NVFP4 block scale: returns float(s) and stores the E4M3 byte.
+__device__ __forceinline__ float nvfp4_scale(float amax, float six_alpha, uint8_t* byte) {
+  float s = __fdiv_rn(amax, six_alpha);
+  if (s == 0.0f) s = 1.0f;
+  s = fminf(fmaxf(s, 0.001953125f /* 2^-9 */), 448.0f);
+  const __nv_fp8_storage_t b = __nv_cvt_float_to_fp8(s, __NV_SATFINITE, __NV_E4M3);
+  *byte = static_cast<uint8_t>(b);
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(b, __NV_E4M3)));
+}
+
+// MXFP4 block exponent (mxfp4.scale_exponent), clamped to [-127, 127].
+__device__ __forceinline__ int mxfp4_exponent(float amax, int rounding) {
+  int e;
+  if (rounding == kCeil) {
+    const uint32_t bits = __float_as_uint(__fdiv_rn(amax, 6.0f));
+    const int field = static_cast<int>((bits & 0x7F800000u) >> 23);
+    const uint32_t mant = bits & 0x7FFFFFu;
+    if (field == 0) e = mant > (1u << 22) ? -126 : -127;
+    else e = field - 127 + (mant != 0u ? 1 : 0);
+  } else if (rounding == kFloor) {
+    e = static_cast<int>((__float_as_uint(amax) & 0x7F800000u) >> 23) - 127 - 2;
+  } else {
+    const int32_t bits = static_cast<int32_t>(__float_as_uint(amax));
+    e = static_cast<int>((static_cast<uint32_t>(bits + (1 << 21)) & 0x7F800000u) >> 23) - 127 - 2;
+  }
+  return max(-127, min(127, e));
+}
+
+template <int LANES>
+__device__ __forceinline__ float lane_max(float v) {
+#pragma unroll
+  for (int o = 1; o < LANES; o <<= 1) v = fmaxf(v, __shfl_xor_sync(kFull, v, o));
+  return v;
+}
+
+// Quantizes N values whose block spans LANES adjacent lanes. Returns the packed nibbles
+// (value t in bits 4t..4t+3); *scale_byte gets the block's scale byte.
+template <int FMT, int LANES, int N>
+__device__ __forceinline__ uint32_t quantize_values(const float (&v)[N], float alpha, float six_alpha, int rounding,
+                                                    uint8_t* scale_byte, float (*residue)[N]) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int t = 0; t < N; ++t) amax = fmaxf(amax, fabsf(v[t]));
+  amax = lane_max<LANES>(amax);
+  uint32_t packed = 0;
+  if (FMT == kNVFP4) {
+    const float sf = nvfp4_scale(amax, six_alpha, scale_byte);
+    const float d = __fmul_rn(sf, alpha);
+#pragma unroll
+    for (int t = 0; t < N; ++t) {
+      const uint32_t c = e2m1_code(__fdiv_rn(v[t], d));
+      packed |= c << (4 * t);
+      if (residue) (*residue)[t] = __fsub_rn(v[t], __fmul_rn(e2m1_value(c), d));
+    }
+  } else {
+    const int e = mxfp4_exponent(amax, rounding);
+    *scale_byte = static_cast<uint8_t>(e + 127);
+    const float inv = pow2_exact(-e), scale = pow2_exact(e);
+#pragma unroll
+    for (int t = 0; t < N; ++t) {
+      const uint32_t c = e2m1_code(__fmul_rn(v[t], inv));
+      packed |= c << (4 * t);
+      if (residue) (*residue)[t] = __fsub_rn(v[t], __fmul_rn(e2m1_value(c), scale));
+    }
+  }
+  return packed;
+}
+
+template <bool BF16>
+__device__ __forceinline__ void load_group(const void* x, int64_t offset, float (&f)[kGroup]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(x) + offset);
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (BF16) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    } else {
+      f[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xFFFFu)));
+      f[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- kernel
+
+// KSEL: channels selected per group: 0 (plain), 1/2/4 (K-Ext), 8 (full, separate outputs).
+template <bool BF16, int FMT, int KSEL>
+__global__ void __launch_bounds__(kThreads) quantize_extend_kernel(const Params p) {
+  constexpr int B = FMT == kNVFP4 ? 16 : 32;  // block size
+  constexpr int BASE_LANES = B / kGroup;      // 2 or 4
+  constexpr int KS = KSEL == 0 ? 1 : KSEL;
+  constexpr int RES_LANES = KSEL == 8 ? BASE_LANES : B / KS;  // lanes per residue block
+
+  const int g = blockIdx.x * kThreads + threadIdx.x;
+  const int G = p.K / kGroup;
+  const bool has_input = g < G;
+  const int W = p.K + p.KE;  // extended width
+  const float alpha = FMT == kNVFP4 ? *p.alpha : 0.0f;
+  const float six_alpha = __fmul_rn(6.0f, alpha);
+  uint32_t mask = 0;
+  if (KSEL > 0 && KSEL < 8 && has_input) mask = p.mask[g];
+
+  for (int64_t row = blockIdx.y; row < p.M; row += gridDim.y) {
+    float f[kGroup];
+    if (has_input) {
+      load_group<BF16>(p.x, row * p.K + static_cast<int64_t>(g) * kGroup, f);
+    } else {
+#pragma unroll
+      for (int c = 0; c < kGroup; ++c) f[c] = 0.0f;
+    }
+
+    // Base quantization; residues in registers.
+    float r[kGroup];
+    uint8_t sbyte;
+    const uint32_t base = quantize_values<FMT, BASE_LANES, kGroup>(f, alpha, six_alpha, p.rounding, &sbyte,
+                                                                 KSEL ? &r : nullptr);
+    if (has_input) {
+      *reinterpret_cast<uint32_t*>(p.codes + row * (W / 2) + g * 4) = base;
+      if (g % BASE_LANES == 0) p.scales[row * (W / B) + g / BASE_LANES] = sbyte;
+    }
+    if (KSEL == 0) continue;
+
+    if (KSEL == 8) {
+      // Full compensation: every channel's residue, same block layout as the base.
+      const uint32_t res = quantize_values<FMT, BASE_LANES, kGroup>(r, alpha, six_alpha, p.rounding, &sbyte, nullptr);
+      if (has_input) {
+        *reinterpret_cast<uint32_t*>(p.rcodes + row * (p.K / 2) + g * 4) = res;
+        if (g % BASE_LANES == 0) p.rscales[row * (p.K / B) + g / BASE_LANES] = sbyte;
+      }
+      continue;
+    }
+
+    // K-Ext: pick the selected residues in ascending channel order (compile-time register
+    // indices only: each slot takes the lowest remaining mask bit through a select chain).
+    float sel[KS];
+    uint32_t m = has_input ? mask : 0u;
+#pragma unroll
+    for (int t = 0; t < KS; ++t) {
+      const int j = __ffs(m) - 1;  // -1 when no bit is left
+      m &= m - 1u;
+      float v = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kGroup; ++c) v = j == c ? r[c] : v;
+      sel[t] = v;
+    }
+    const uint32_t ext = quantize_values<FMT, RES_LANES, KS>(sel, alpha, six_alpha, p.rounding, &sbyte, nullptr);
+    const int pos = g * KS;  // first compacted position of this group
+    uint8_t* ext_codes = p.codes + row * (W / 2) + p.K / 2;
+    if (KS == 1) {
+      const uint32_t hi = __shfl_down_sync(kFull, ext, 1);
+      if ((g & 1) == 0 && pos < p.KE) ext_codes[pos / 2] = static_cast<uint8_t>(ext | (hi << 4));
+    } else if (pos < p.KE) {
+      if (KS == 2) ext_codes[pos / 2] = static_cast<uint8_t>(ext);
+      else *reinterpret_cast<uint16_t*>(ext_codes + pos / 2) = static_cast<uint16_t>(ext);
+    }
+    if (g % RES_LANES == 0 && pos < p.KE) p.scales[row * (W / B) + p.K / B + pos / B] = sbyte;
+  }
+}
+
+template <bool BF16, int FMT>
+cudaError_t launch_fmt(const Params& p, int ksel, cudaStream_t stream) {
+  const dim3 grid((p.groups + kThreads - 1) / kThreads, static_cast<unsigned>(p.M < 65535 ? p.M : 65535));
+  switch (ksel) {
+    case 0: quantize_extend_kernel<BF16, FMT, 0><<<grid, kThreads, 0, stream>>>(p); break;
+    case 1: quantize_extend_kernel<BF16, FMT, 1><<<grid, kThreads, 0, stream>>>(p); break;
+    case 2: quantize_extend_kernel<BF16, FMT, 2><<<grid, kThreads, 0, stream>>>(p); break;
+    case 4: quantize_extend_kernel<BF16, FMT, 4><<<grid, kThreads, 0, stream>>>(p); break;
+    case 8: quantize_extend_kernel<BF16, FMT, 8><<<grid, kThreads, 0, stream>>>(p); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace resserve
+
+// ---------------------------------------------------------------- launcher (C ABI)
+
+// Returns a cudaError_t (0 on success); cudaErrorInvalidValue for arguments that break the
+// layout contract (checked here so that no launch can write out of bounds).
+extern "C" int resserve_quantize_extend(const void* x, int is_bf16, int64_t M, int K, const uint8_t* mask, int ksel,
+                                        int fmt, int rounding, const float* alpha, uint8_t* codes, uint8_t* scales,
+                                        int KE, uint8_t* rcodes, uint8_t* rscales, void* stream) {
+  using namespace resserve;
+  if (fmt != kNVFP4 && fmt != kMXFP4) return cudaErrorInvalidValue;
+  const int B = fmt == kNVFP4 ? 16 : 32;
+  const int pad = fmt == kNVFP4 ? 64 : 128;
+  if (M < 0 || K <= 0 || K % B || KE < 0 || rounding < 0 || rounding > 2) return cudaErrorInvalidValue;
+  if (ksel != 0 && ksel != 1 && ksel != 2 && ksel != 4 && ksel != 8) return cudaErrorInvalidValue;
+  const bool partial = ksel > 0 && ksel < 8;
+  if (partial != (KE > 0)) return cudaErrorInvalidValue;
+  if (partial && ((K + KE) % pad || static_cast<int64_t>(KE) < static_cast<int64_t>(K) / 8 * ksel)) return cudaErrorInvalidValue;
+  if (M == 0) return cudaSuccess;
+  if (!x || !codes || !scales || (fmt == kNVFP4 && !alpha) || (partial && !mask) || (ksel == 8 && (!rcodes || !rscales)))
+    return cudaErrorInvalidValue;
+  if (reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(codes) % 4 ||
+      (ksel == 8 && reinterpret_cast<uintptr_t>(rcodes) % 4))
+    return cudaErrorMisalignedAddress;
+  Params p{x, mask, alpha, codes, scales, rcodes, rscales, M, K, KE, rounding, 0};
+  p.groups = K / kGroup;
+  if (partial && KE / ksel > p.groups) p.groups = KE / ksel;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (is_bf16) return fmt == kNVFP4 ? launch_fmt<true, kNVFP4>(p, ksel, s) : launch_fmt<true, kMXFP4>(p, ksel, s);
+  return fmt == kNVFP4 ? launch_fmt<false, kNVFP4>(p, ksel, s) : launch_fmt<false, kMXFP4>(p, ksel, s);
+}
+
+extern "C" const char* resserve_error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }

@@ -1,0 +1,200 @@
+"""The fused quantize-and-extend kernel against the PyTorch reference (SPEC §11).
+
+CPU tests cover the wrapper's reference path, its argument checks, and the kernel's integer
+E2M1 rounding rule (re-stated in Python) against `fp4.encode_e2m1`. GPU tests build the kernel
+and compare it bit for bit (codes and scale bytes, rtol=0) with the reference on poisoned outputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import pytest
+import torch
+
+from resserve_export import kernel, kext
+from resserve_export.constants import BLOCK
+from resserve_export.fp4 import encode_e2m1
+from resserve_export.nvfp4 import global_scale
+from resserve_export.selection import bool_to_mask
+
+torch.set_num_threads(2)
+
+GPU = pytest.mark.skipif(
+    not kernel.KERNEL_AVAILABLE, reason=f"needs a CUDA GPU (sm_90 Hopper or newer) and nvcc: {kernel.KERNEL_UNAVAILABLE_REASON}"
+)
+RATIOS = (0.0, 0.125, 0.25, 0.5, 1.0)
+FMT_ROUNDING = (("nvfp4", "ceil"), ("mxfp4", "ceil"), ("mxfp4", "floor"), ("mxfp4", "even"))
+
+
+def random_mask(K: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """uint8 [K/8] selecting exactly k random channels in every group of 8."""
+    order = torch.rand(K // 8, 8, generator=gen).argsort(dim=-1)[:, :k]
+    sel = torch.zeros(K // 8, 8, dtype=torch.bool)
+    sel.scatter_(1, order, True)
+    return bool_to_mask(sel.reshape(-1))
+
+
+def adversarial(M: int, K: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Normal rows of varied scale, with outliers, all-zero blocks, tiny values and -0 (on the
+    generator's device)."""
+    dev = gen.device
+    x = torch.randn(M, K, generator=gen, device=dev) * torch.exp(torch.randn(M, 1, generator=gen, device=dev))
+    u = torch.rand(M, K, generator=gen, device=dev)
+    x = torch.where(u < 0.002, x * 80.0, x)  # outliers
+    x = torch.where((u > 0.5) & (u < 0.51), x * 1e-5, x)  # tiny values
+    x = torch.where((u > 0.6) & (u < 0.602), torch.full_like(x, -0.0), x)
+    blocks = x.view(M, K // 32, 32)
+    zero = torch.rand(M, K // 32, 1, generator=gen, device=dev) < 0.05
+    x = torch.where(zero, torch.zeros_like(blocks), blocks).view(M, K)
+    return x.to(dtype)
+
+
+# ----------------------------------------------------------------------------- CPU
+
+
+def kernel_e2m1_magnitude(a: torch.Tensor) -> torch.Tensor:
+    """The kernel's integer rounding rule (quantize_extend.cu, e2m1_magnitude), in torch."""
+    a = a.float()
+    low = torch.round(a * 2.0).to(torch.int64)  # round() is half-to-even, like cvt.rni
+    u = a.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    high = ((u + 0x1FFFFF + ((u >> 22) & 1)) >> 22) - 252
+    return torch.where(a >= 1.0, high.clamp(max=7), low)
+
+
+def test_kernel_e2m1_rule_matches_reference_on_every_tie_and_a_dense_sweep():
+    ties = torch.tensor([0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 1e30, float("inf")])
+    # tie to even: 0.25->0, 0.75->1 (code 2), 1.25->1 (2), 1.75->2 (4), 2.5->2 (4), 3.5->4 (6), 5->4 (6)
+    assert kernel_e2m1_magnitude(ties).tolist() == [0, 0, 2, 2, 4, 4, 6, 6, 7, 7, 7, 7]
+    sweep = torch.cat([torch.linspace(0, 8, 200_001), torch.rand(100_000) * 1e-3, torch.rand(100_000) * 100])
+    # every neighbour of every tie, one FP32 ulp either side
+    t = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 1.0, 0.5, 6.0])
+    near = torch.cat([torch.nextafter(t, torch.zeros_like(t)), torch.nextafter(t, torch.full_like(t, 9.0)), t])
+    a = torch.cat([sweep, near])
+    assert torch.equal(kernel_e2m1_magnitude(a), encode_e2m1(a).to(torch.int64))
+
+
+def test_reference_backend_is_extended_activation():
+    gen = torch.Generator().manual_seed(0)
+    x = adversarial(6, 256, torch.bfloat16, gen).reshape(2, 3, 256)
+    mask = random_mask(256, 2, gen)
+    alpha = global_scale(torch.tensor(3.0))
+    got = kernel.quantize_extend(x, mask, 0.25, "nvfp4", alpha=alpha, backend="reference")
+    want = kext.extended_activation(x, mask, 0.25, "nvfp4", alpha=alpha)
+    assert got.shape == (2, 3, 256 + kext.ext_width(256, 0.25, "nvfp4")) == (2, 3, 320)
+    assert torch.equal(got.codes, want.codes)
+    assert torch.equal(got.scales.view(torch.uint8), want.scales.view(torch.uint8))
+    base, res = kernel.quantize_full(x, "mxfp4", rounding="floor", backend="reference")
+    wb, wr = kext.full_residue(x, "mxfp4", rounding="floor")
+    assert torch.equal(base.codes, wb.codes) and torch.equal(res.scales, wr.scales)
+
+
+def test_auto_uses_the_reference_for_cpu_tensors():
+    assert kernel.backend_for(torch.zeros(4, 32, dtype=torch.bfloat16)) == "reference"
+
+
+@pytest.mark.skipif(kernel.KERNEL_AVAILABLE, reason="the kernel can run here")
+def test_cuda_backend_without_gpu_says_what_is_needed():
+    with pytest.raises(kernel.KernelUnavailable, match="CUDA"):
+        kernel.quantize_extend(torch.zeros(2, 32, dtype=torch.bfloat16), None, 0.0, "nvfp4", backend="cuda")
+
+
+def test_kernel_sources_are_found():
+    d = kernel.kernels_dir()
+    assert d is not None and (d / "quantize_extend.cu").is_file()
+
+
+def test_unknown_backend_lists_the_choices():
+    with pytest.raises(ValueError, match="available"):
+        kernel.quantize_extend(torch.zeros(2, 32), None, 0.0, "nvfp4", backend="triton")
+
+
+# ----------------------------------------------------------------------------- GPU
+
+SHAPES_M = (1, 7, 64, 1000, 4096)
+SHAPES_K = (2560, 4096, 9728, 12288, 16384)
+
+
+def _reference(x, mask, ratio, fmt, alpha, rounding):
+    """(codes, scale bytes[, residue codes, residue scale bytes]) of the reference.
+
+    The GPU run of the reference is used where it is bit-identical to the CPU one. MXFP4 'ceil'
+    divides the block amax by the Python scalar 6, which PyTorch's CUDA division turns into a
+    multiplication by the reciprocal, so that case is computed on the CPU.
+    """
+    dev = x.device if not (fmt == "mxfp4" and rounding == "ceil") else torch.device("cpu")
+    xs, a = x.to(dev), (alpha.to(dev) if alpha is not None else None)
+    if ratio == 1.0:
+        b, r = kext.full_residue(xs, fmt, alpha=a, rounding=rounding)
+        return [t.to(x.device) for t in (b.codes, b.scales.view(torch.uint8), r.codes, r.scales.view(torch.uint8))]
+    q = kext.extended_activation(xs, mask, ratio, fmt, alpha=a, rounding=rounding)
+    return [t.to(x.device) for t in (q.codes, q.scales.view(torch.uint8))]
+
+
+def _first_mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
+    bad = (got != want).nonzero()
+    if bad.numel() == 0:
+        return "shapes differ"
+    idx = tuple(bad[0].tolist())
+    return f"{bad.shape[0]} bytes differ, first at {idx}: got {got[idx].item():#04x}, want {want[idx].item():#04x}"
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
+@pytest.mark.parametrize("fmt,rounding", FMT_ROUNDING, ids=lambda v: v)
+def test_kernel_bit_exact(fmt, rounding, dtype, ratio):
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{fmt}{rounding}{dtype}{ratio}".encode()))
+    cpu_gen = torch.Generator().manual_seed(1)
+    dev = torch.device("cuda")
+    b = BLOCK[fmt]
+    shapes = list(itertools.product(SHAPES_M, SHAPES_K))
+    if fmt == "mxfp4" and rounding == "ceil":
+        # reference on the CPU (see _reference): the largest row count at one K only
+        shapes = [(M, K) for M, K in shapes if M < 4096] + [(4096, 4096)]
+    for M, K in shapes:
+        x = adversarial(M, K, dtype, gen)
+        K_E = kext.ext_width(K, ratio, fmt)
+        ksel = 8 if ratio == 1.0 else (int(ratio * 8) if K_E else 0)
+        mask = random_mask(K, ksel, cpu_gen).to(dev) if 0 < ksel < 8 else None
+        # a calibrated amax below the true one: some block scales clamp at 448 and codes saturate
+        alpha = global_scale(x.float().abs().amax().cpu() * 0.7).to(dev) if fmt == "nvfp4" else None
+        out = [
+            torch.full((M, (K + K_E) // 2), 0xFF, dtype=torch.uint8, device=dev),
+            torch.full((M, (K + K_E) // b), 0xFF, dtype=torch.uint8, device=dev),
+            torch.full((M, K // 2) if ksel == 8 else (0, 0), 0xFF, dtype=torch.uint8, device=dev),
+            torch.full((M, K // b) if ksel == 8 else (0, 0), 0xFF, dtype=torch.uint8, device=dev),
+        ]
+        kernel.quantize_extend_raw(x, mask, ksel, fmt, alpha, rounding, K_E, out)
+        want = _reference(x, mask, ratio, fmt, alpha, rounding)
+        names = ("codes", "scales", "residue codes", "residue scales")
+        for name, g, w in zip(names, out, want):
+            assert g.shape == w.shape and torch.equal(g, w), f"M={M} K={K} {name}: {_first_mismatch(g, w)}"
+
+
+@GPU
+@pytest.mark.gpu
+def test_wrapper_matches_reference_with_leading_dims_and_derived_alpha():
+    gen = torch.Generator().manual_seed(7)
+    x = adversarial(12, 2560, torch.bfloat16, gen).reshape(3, 4, 2560).cuda()
+    mask = random_mask(2560, 1, gen)
+    got = kernel.quantize_extend(x, mask, 0.125, "nvfp4", backend="cuda")
+    want = kext.extended_activation(x.cpu(), mask, 0.125, "nvfp4")
+    assert got.shape == (3, 4, 2880)
+    assert torch.equal(got.global_scale.cpu(), want.global_scale)
+    assert torch.equal(got.codes.cpu(), want.codes)
+    assert torch.equal(got.scales.view(torch.uint8).cpu(), want.scales.view(torch.uint8))
+    base, res = kernel.quantize_full(x, "mxfp4", backend="cuda")
+    wb, wr = kext.full_residue(x.cpu(), "mxfp4")
+    assert torch.equal(base.codes.cpu(), wb.codes) and torch.equal(res.codes.cpu(), wr.codes)
+    assert torch.equal(res.scales.cpu(), wr.scales)
+
+
+@GPU
+@pytest.mark.gpu
+def test_wrapper_rejects_a_mask_with_the_wrong_count():
+    mask = torch.full((32,), 0b11, dtype=torch.uint8)  # two channels per group, ratio asks for one
+    with pytest.raises(ValueError, match="exactly 1"):
+        kernel.quantize_extend(torch.ones(2, 256, dtype=torch.bfloat16, device="cuda"), mask, 0.125, "nvfp4")
