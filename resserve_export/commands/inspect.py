@@ -1,8 +1,47 @@
 """`resserve-export inspect`."""
 
-from ..errors import UserError
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
 
 
-def command() -> None:
-    """Not implemented yet."""
-    raise UserError("'inspect' is not implemented yet in this version")
+def command(
+    ckpt: Path = typer.Argument(..., help="checkpoint directory written by `pack`"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
+) -> None:
+    """Format, per-layer ratio and mode, bytes and the extension's share of a packed checkpoint."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..inspect_ckpt import inspect_checkpoint
+
+    info = inspect_checkpoint(ckpt)
+    if as_json:
+        print(json.dumps(info, indent=2, sort_keys=True))
+        return
+    con = Console()
+    b = info["bytes"]
+    rnd = f", MX scale rounding {info['mx_scale_rounding']}" if info["format"] == "mxfp4" else ""
+    con.print(
+        f"[bold]{info['path']}[/]: {info['format'].upper()} ({info['quant_method']}{rnd}), "
+        f"{len(info['groups'])} groups ({', '.join(f'{k} {v}' for k, v in sorted(info['modes'].items()))}), "
+        f"{b['all_files'] / 2**30:.3f} GiB on disk, extension share {100 * info['extension_share']:.2f}%"
+    )
+    t = Table()
+    for col, just in (("group", "left"), ("ratio", "right"), ("mode", "left"), ("K", "right"), ("K_E", "right"),
+                      ("base bytes", "right"), ("ext bytes", "right"), ("ext share", "right")):
+        t.add_column(col, justify=just)
+    for r in info["groups"]:
+        members = r["members"]
+        name = members[0] if len(members) == 1 else members[0].rsplit(".", 1)[0] + "." + "+".join(m.rsplit(".", 1)[1] for m in members)
+        share = r["extension_bytes"] / (r["base_bytes"] + r["extension_bytes"]) if r["base_bytes"] else 0.0
+        t.add_row(name, f"{r['ratio']:g}", r["mode"], str(r["K"]), str(r["K_E"]), f"{r['base_bytes']:,}",
+                  f"{r['extension_bytes']:,}", f"{100 * share:.1f}%")
+    con.print(t)
+    con.print(
+        f"quantized linears {b['quantized_linears']:,} B, unquantized {b['unquantized']:,} B, "
+        f"sidecar {b['sidecar']:,} B, all files {b['all_files']:,} B"
+    )

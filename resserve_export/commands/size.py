@@ -1,8 +1,47 @@
 """`resserve-export size`."""
 
-from ..errors import UserError
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..constants import FORMATS
 
 
-def command() -> None:
-    """Not implemented yet."""
-    raise UserError("'size' is not implemented yet in this version")
+def command(
+    config: Path = typer.Argument(..., help="config.json of the source model (or its directory)"),
+    fmt: str = typer.Option("nvfp4", "--format", help=f"element format: {' | '.join(FORMATS)}"),
+    ratio: Optional[float] = typer.Option(None, "--ratio", help="one prefill ratio for every layer: 0, 0.125, 0.25, 0.5 or 1"),
+    plan: Optional[Path] = typer.Option(None, "--plan", help="plan.json from `plan` (per-layer ratios)"),
+    tokenizer_bytes: Optional[int] = typer.Option(
+        None, "--tokenizer-bytes", help="bytes of config, tokenizer and other copied files (default: measured beside CONFIG)"
+    ),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="largest safetensors shard, as for pack"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+) -> None:
+    """Bytes of the checkpoint `pack` would write, per tensor class and in total, from config.json alone."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..size import estimate, load_config, other_files_bytes
+
+    cfg, where = load_config(config)
+    other = tokenizer_bytes
+    if other is None:
+        other = other_files_bytes(where) if where is not None else 0
+    rep = estimate(cfg, fmt, ratio=ratio, plan=plan, other_bytes=other, max_shard_size=max_shard_size)
+    if as_json:
+        print(json.dumps(rep.as_dict(), indent=2, sort_keys=True))
+        return
+    t = Table(title=f"{fmt.upper()} checkpoint size ({'plan ' + str(plan) if plan else f'ratio {ratio}'})")
+    t.add_column("class")
+    t.add_column("bytes", justify="right")
+    t.add_column("GiB", justify="right")
+    t.add_column("share", justify="right")
+    for name, b in rep.classes.items():
+        t.add_row(name, f"{b:,}", f"{b / 2**30:.4f}", f"{100 * b / rep.total:.2f}%")
+    t.add_row("[bold]total[/]", f"[bold]{rep.total:,}[/]", f"[bold]{rep.total / 2**30:.3f}[/]", "100.00%")
+    Console().print(t)

@@ -1,0 +1,55 @@
+"""`inspect`: what a packed checkpoint holds, from its config and safetensors headers only."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .checkpoint import Checkpoint
+
+
+def inspect_checkpoint(ckpt_dir: str | os.PathLike) -> dict:
+    """Format, per-group ratio / mode / bytes, and totals (no tensor data is read).
+
+    Per group: ``base`` = bytes of the members' plain tensors, ``extension`` = sidecar bytes
+    (masks + K-Ext weights). ``extension_share`` = sidecar bytes / all safetensors data bytes.
+    """
+    ck = Checkpoint(ckpt_dir)
+    model, side = ck.model.entries, ck.sidecar.entries
+
+    def owned(entries, module):
+        prefix = module + "."
+        return sum(e.nbytes for n, e in entries.items() if n.startswith(prefix) and "." not in n[len(prefix):])
+
+    rows = []
+    for g in ck.groups:
+        base = sum(owned(model, m) for m in g["members"])
+        ext = sum(owned(side, m) for m in g["members"])
+        rows.append({**g, "base_bytes": base, "extension_bytes": ext})
+    quantized = sum(r["base_bytes"] for r in rows)
+    model_bytes = sum(e.nbytes for e in model.values())
+    side_bytes = sum(e.nbytes for e in side.values())
+    files = sum(p.stat().st_size for p in Path(ck.dir).iterdir() if p.is_file())
+    modes: dict[str, int] = {}
+    for r in rows:
+        modes[r["mode"]] = modes.get(r["mode"], 0) + 1
+    qc = ck.config["quantization_config"]
+    return {
+        "path": str(ck.dir),
+        "format": ck.fmt,
+        "quant_method": qc.get("quant_method"),
+        "mx_scale_rounding": ck.resserve.get("mx_scale_rounding"),
+        "groups": rows,
+        "modes": modes,
+        "bytes": {
+            "quantized_linears": quantized,
+            "unquantized": model_bytes - quantized,
+            "sidecar": side_bytes,
+            "all_files": files,
+        },
+        "extension_share": side_bytes / (model_bytes + side_bytes) if model_bytes + side_bytes else 0.0,
+        "provenance": ck.resserve.get("provenance"),
+    }
+
+
+__all__ = ["inspect_checkpoint"]

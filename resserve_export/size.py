@@ -1,0 +1,163 @@
+"""`size`: bytes of a packed checkpoint from ``config.json`` alone (SPEC §8).
+
+The tensor names and shapes a dense decoder (Llama, Mistral, Qwen2, Qwen3) saves are derived
+from its config, then fed to the very layout function `pack` uses, so the safetensors files
+(headers included), their index files and ``hf_quant_config.json`` are counted exactly. Per
+quantized linear ``[N, K]`` this is SPEC §8's formula: NVFP4 ``N·K/2 + N·K/16 + 8`` (the 8 are
+weight_scale_2 and input_scale), MXFP4 ``N·K/2 + N·K/32``; extension the same over K_E (it
+shares the base scalars), plus ``K/8`` mask bytes. Tied embeddings are stored once.
+``config.json``, tokenizer and other copied files are the caller's `other_bytes`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import __version__
+from .checkpoint import (
+    MODEL_PREFIX,
+    SIDECAR_PREFIX,
+    dump_json,
+    header_bytes,
+    index_json,
+    nvfp4_hf_quant_config,
+    parse_size,
+    ST_METADATA,
+)
+from .constants import FORMATS
+from .errors import UserError
+from .pack import build_layout, load_ratios, model_groups
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+_ST_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def shapes_from_config(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{tensor name: (safetensors dtype, shape)}`` of the bf16 checkpoint `cfg` describes."""
+    mt = cfg.get("model_type")
+    if mt not in SUPPORTED:
+        raise UserError(f"size knows the tensor layout of {', '.join(SUPPORTED)} configs, not {mt!r}: pack the model and run `inspect` instead")
+    if cfg.get("num_experts") or cfg.get("num_local_experts"):
+        raise UserError("MoE models are not supported yet (the config declares experts)")
+    try:
+        H, I, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+        nh, V = cfg["num_attention_heads"], cfg["vocab_size"]
+    except KeyError as e:
+        raise UserError(f"config lacks {e.args[0]!r}: pass the model's config.json") from None
+    nkv = cfg.get("num_key_value_heads") or nh
+    hd = cfg.get("head_dim") or H // nh
+    dt = _ST_DTYPE.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), "BF16")
+    qkv_bias = bool(cfg.get("attention_bias", False)) or mt == "qwen2"
+    o_bias = bool(cfg.get("attention_bias", False)) and mt != "qwen2"
+    mlp_bias = bool(cfg.get("mlp_bias", False))
+    out: dict[str, tuple[str, tuple[int, ...]]] = {"model.embed_tokens.weight": (dt, (V, H)), "model.norm.weight": (dt, (H,))}
+    if not cfg.get("tie_word_embeddings", True):
+        out["lm_head.weight"] = (dt, (V, H))
+    for i in range(L):
+        p = f"model.layers.{i}"
+        out[f"{p}.input_layernorm.weight"] = (dt, (H,))
+        out[f"{p}.post_attention_layernorm.weight"] = (dt, (H,))
+        for name, n, k, bias in (
+            ("self_attn.q_proj", nh * hd, H, qkv_bias),
+            ("self_attn.k_proj", nkv * hd, H, qkv_bias),
+            ("self_attn.v_proj", nkv * hd, H, qkv_bias),
+            ("self_attn.o_proj", H, nh * hd, o_bias),
+            ("mlp.gate_proj", I, H, mlp_bias),
+            ("mlp.up_proj", I, H, mlp_bias),
+            ("mlp.down_proj", H, I, mlp_bias),
+        ):
+            out[f"{p}.{name}.weight"] = (dt, (n, k))
+            if bias:
+                out[f"{p}.{name}.bias"] = (dt, (n,))
+        if mt == "qwen3":
+            out[f"{p}.self_attn.q_norm.weight"] = (dt, (hd,))
+            out[f"{p}.self_attn.k_norm.weight"] = (dt, (hd,))
+    return out
+
+
+@dataclass
+class SizeReport:
+    """Bytes per class; `total` sums them. GiB = 2³⁰ bytes."""
+
+    fmt: str
+    classes: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.classes.values())
+
+    def as_dict(self) -> dict:
+        return {"format": self.fmt, "classes": dict(self.classes), "total": self.total, "total_gib": self.total / 2**30}
+
+
+def estimate(
+    cfg: dict,
+    fmt: str,
+    *,
+    ratio: float | None = None,
+    plan: str | os.PathLike | None = None,
+    other_bytes: int = 0,
+    max_shard_size: str | int = "5GB",
+) -> SizeReport:
+    """Exact bytes `pack` writes for this config, format and ratio / plan (+ `other_bytes`)."""
+    if fmt not in FORMATS:
+        raise UserError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    shapes = shapes_from_config(cfg)
+    groups = model_groups(shapes)
+    ratios, _ = load_ratios(groups, ratio, Path(plan) if plan is not None else None, None)
+    layout = build_layout(shapes, groups, ratios, fmt, bool(cfg.get("tie_word_embeddings", True)))
+    max_bytes = parse_size(max_shard_size)
+    model_shards, side_shards = layout.shards(max_bytes)
+    classes = {"embeddings": 0, "norms & biases": 0, "quantized linears": 0, "extension": 0, "masks": 0}
+    for s in layout.model + layout.sidecar:
+        c = layout.tensor_class[s.name]
+        if c == "unquantized":
+            c = "embeddings" if s.name.endswith(("embed_tokens.weight", "lm_head.weight")) else "norms & biases"
+        elif c == "linear":
+            c = "quantized linears"
+        elif c == "mask":
+            c = "masks"
+        classes[c] += s.nbytes
+    headers = sum(len(header_bytes(sh, ST_METADATA)) for sh in model_shards + side_shards)
+    meta = len(dump_json(index_json(MODEL_PREFIX, model_shards)))
+    if side_shards:
+        meta += len(dump_json(index_json(SIDECAR_PREFIX, side_shards)))
+    if fmt == "nvfp4":
+        meta += len(dump_json(nvfp4_hf_quant_config(["lm_head"], __version__)))
+    classes["safetensors headers"] = headers
+    classes["index / quant json"] = meta
+    classes["config, tokenizer, other files"] = int(other_bytes)
+    return SizeReport(fmt, classes)
+
+
+def other_files_bytes(model_dir: Path) -> int:
+    """Bytes of the non-weight files `pack` copies from a model directory (config.json included)."""
+    from .pack import _OWN_FILES, _WEIGHT_SUFFIXES
+
+    total = 0
+    for p in sorted(Path(model_dir).iterdir()):
+        if p.is_file() and not p.name.startswith(".") and (p.name == "config.json" or p.name not in _OWN_FILES) and not p.name.endswith(_WEIGHT_SUFFIXES):
+            total += p.stat().st_size
+    return total
+
+
+def load_config(path: str | os.PathLike) -> tuple[dict, Path | None]:
+    """(config dict, model dir or None) from a config.json path or a model directory."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.exists():
+        raise UserError(f"{path} does not exist: pass a config.json or a model directory")
+    try:
+        cfg = json.loads(p.read_text())
+    except ValueError:
+        raise UserError(f"{p} is not valid JSON: pass the model's config.json") from None
+    if "text_config" in cfg and "hidden_size" not in cfg:
+        cfg = cfg["text_config"]
+    return cfg, p.parent
+
+
+__all__ = ["estimate", "shapes_from_config", "SizeReport", "other_files_bytes", "load_config"]
