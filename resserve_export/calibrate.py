@@ -106,12 +106,18 @@ def make_config(preset: str | None = None, **overrides) -> CalibConfig:
 
 def check_in_features(linears: dict[str, tuple[int, int]]) -> None:
     """Every quantized linear needs in_features divisible by 32 (whole FP4 blocks and selection groups)."""
-    for name, (_, k) in linears.items():
+    for name in sorted(linears, key=_natural_key):
+        k = linears[name][1]
         if is_quantized(name) and k % IN_FEATURES_MULTIPLE:
             raise UserError(
                 f"linear {name} has in_features {k}, not a multiple of {IN_FEATURES_MULTIPLE}: "
                 "FP4 blocks cannot tile it; this model is not supported"
             )
+
+
+def _natural_key(name: str) -> list:
+    """Sort module paths with layer numbers as numbers (layers.2 before layers.10)."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in name.split(".")]
 
 
 class StatsCollector:
@@ -356,7 +362,8 @@ def save_stats(stats: dict[str, dict], path: Path) -> None:
     for m in sorted(stats):
         tensors[f"{m}.mean_abs"] = stats[m]["mean_abs"].contiguous()
         tensors[f"{m}.amax"] = stats[m]["amax"].contiguous()
-    save_file(tensors, str(path), metadata={"format": "resserve-salience", "version": "1"})
+    # One metadata key only: safetensors writes several in random order (files must be byte-identical).
+    save_file(tensors, str(path), metadata={"resserve_salience": "1"})
 
 
 def load_stats(calib_dir: Path) -> dict[str, dict]:
