@@ -429,6 +429,7 @@ def pack(
 
 
 def _progress(enabled: bool):
+    from rich.console import Console
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -444,6 +445,7 @@ def _progress(enabled: bool):
         DownloadColumn(),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
+        console=Console(stderr=True),
         disable=not enabled,
         transient=False,
     )

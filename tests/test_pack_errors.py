@@ -1,0 +1,191 @@
+"""Bad input to `pack`: one-line error, non-zero exit, nothing left behind. Plus interrupted
+packs (SIGKILL) and a full disk."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures.tiny import make_calibration, make_model
+from safetensors.torch import save_file
+
+from resserve_export import checkpoint
+from resserve_export.cli import main
+from resserve_export.errors import UserError
+from resserve_export.pack import SLOW_ENV, pack
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    model = make_model(root / "model")
+    return model, make_calibration(model, root / "calib")
+
+
+def _run(argv, capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    return e.value.code, err
+
+
+def _assert_user_error(argv, capsys, out: Path, *needles: str) -> str:
+    code, err = _run(argv, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in lines[0], lines[0]
+    # nothing left behind: no output, no partial sibling
+    assert not out.exists()
+    assert not list(out.parent.glob(f".{out.name}.*"))
+    return lines[0]
+
+
+def _argv(model, calib, out, *extra):
+    return ["pack", str(model), "--calib", str(calib), "--out", str(out), *extra]
+
+
+def test_calibration_missing_a_layer(tiny, tmp_path, capsys):
+    model, _ = tiny
+    calib = make_calibration(model, tmp_path / "c", drop=("model.layers.1.mlp.down_proj",))
+    out = tmp_path / "ck"
+    _assert_user_error(_argv(model, calib, out, "--ratio", "0.25"), capsys, out, "model.layers.1.mlp.down_proj", "calibrate")
+
+
+def test_calibration_from_another_model(tiny, tmp_path, capsys):
+    model, _ = tiny
+    calib = make_calibration(model, tmp_path / "c", fingerprint="0" * 64)
+    out = tmp_path / "ck"
+    _assert_user_error(_argv(model, calib, out, "--ratio", "0.25"), capsys, out, "another model")
+
+
+def test_not_a_calibration_dir(tiny, tmp_path, capsys):
+    model, _ = tiny
+    out = tmp_path / "ck"
+    _assert_user_error(_argv(model, tmp_path, out, "--ratio", "0.25"), capsys, out, "calibrate")
+
+
+def test_plan_for_another_model(tiny, tmp_path, capsys):
+    model, calib = tiny
+    out = tmp_path / "ck"
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"budget": 5, "groups": [{"modules": ["model.layers.0.mlp.fc1"], "ratio": 0.25}]}))
+    _assert_user_error(_argv(model, calib, out, "--plan", str(plan)), capsys, out, "another model")
+    plan.write_text(json.dumps({"budget": 5, "fingerprint": "f" * 64, "groups": []}))
+    _assert_user_error(_argv(model, calib, out, "--plan", str(plan)), capsys, out, "another model")
+
+
+@pytest.mark.parametrize("ratio", ["0.3", "2", "-0.125"])
+def test_ratio_outside_allowed_set(tiny, tmp_path, capsys, ratio):
+    model, calib = tiny
+    out = tmp_path / "ck"
+    _assert_user_error(_argv(model, calib, out, "--ratio", ratio), capsys, out, "0.125", "0.25")
+
+
+def test_ratio_and_plan_both_or_neither(tiny, tmp_path, capsys):
+    model, calib = tiny
+    out = tmp_path / "ck"
+    _assert_user_error(_argv(model, calib, out), capsys, out, "--ratio", "--plan")
+
+
+def test_moe_experts_not_supported(tmp_path, capsys):
+    model = tmp_path / "moe"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "tie_word_embeddings": False}))
+    t = {"model.embed_tokens.weight": torch.zeros(16, 32, dtype=torch.bfloat16)}
+    for e in range(2):
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            t[f"model.layers.0.mlp.experts.{e}.{p}.weight"] = torch.zeros(32, 32, dtype=torch.bfloat16)
+    save_file(t, str(model / "model.safetensors"))
+    out = tmp_path / "ck"
+    _assert_user_error(
+        _argv(model, tmp_path, out, "--ratio", "0"), capsys, out, "not supported yet", "model.layers.0.mlp.experts.0.down_proj"
+    )
+
+
+def test_corrupted_input_shard(tiny, tmp_path, capsys):
+    model, calib = tiny
+    bad = tmp_path / "bad"
+    shutil.copytree(model, bad)
+    f = bad / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])  # truncated download
+    out = tmp_path / "ck"
+    _assert_user_error(_argv(bad, calib, out, "--ratio", "0.25"), capsys, out, "model.safetensors", "corrupted")
+    f.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + data[24:])
+    _assert_user_error(_argv(bad, calib, out, "--ratio", "0.25"), capsys, out, "corrupted")
+
+
+def test_existing_out_needs_overwrite(tiny, tmp_path, capsys):
+    model, calib = tiny
+    out = tmp_path / "ck"
+    out.mkdir()
+    (out / "keep.txt").write_text("user data")
+    code, err = _run(_argv(model, calib, out, "--ratio", "0"), capsys)
+    assert code == 2 and err.count("\n") == 1 and "--overwrite" in err
+    assert (out / "keep.txt").read_text() == "user data"
+    main(_argv(model, calib, out, "--ratio", "0", "--overwrite"))
+    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    assert not list(tmp_path.glob(".ck.*"))
+
+
+def test_out_of_disk_space(tiny, tmp_path, monkeypatch):
+    model, calib = tiny
+    calls = {"n": 0}
+    real = checkpoint.ShardedWriter._write_bytes
+
+    def full_disk(self, data):
+        calls["n"] += 1
+        if calls["n"] > 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, data)
+
+    monkeypatch.setattr(checkpoint.ShardedWriter, "_write_bytes", full_disk)
+    out = tmp_path / "ck"
+    with pytest.raises(UserError) as e:
+        pack(model, calib, out, "nvfp4", ratio=0.25, progress=False)
+    msg = str(e.value)
+    assert "no space left" in msg and "\n" not in msg and "free space" in msg
+    assert calls["n"] > 5
+    assert not out.exists() and not list(tmp_path.glob(".ck.*"))
+
+
+def test_sigkill_leaves_nothing_complete_and_rerun_succeeds(tiny, tmp_path):
+    model, calib = tiny
+    out = tmp_path / "ck"
+    env = {**os.environ, SLOW_ENV: "0.3"}
+    cmd = [sys.executable, "-m", "resserve_export.cli", *_argv(model, calib, out, "--ratio", "0.25")]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        partial = []
+        while time.time() < deadline:
+            partial = [p for p in tmp_path.glob(".ck.partial-*") if list(p.glob("model-*.safetensors"))]
+            if partial:
+                break
+            assert proc.poll() is None, "pack finished before it could be killed"
+            time.sleep(0.1)
+        assert partial, "no partial directory appeared"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not out.exists()
+    # the leftover is hidden and has no config.json: nothing looks like a checkpoint
+    assert all(not (p / "config.json").exists() for p in partial)
+    pack(model, calib, out, "nvfp4", ratio=0.25, progress=False)
+    assert (out / "config.json").exists() and (out / "model.safetensors.index.json").exists()
+    assert not list(tmp_path.glob(".ck.partial-*"))  # the dead run's leftovers are cleaned
