@@ -31,12 +31,14 @@ def command(
         f"{b['all_files'] / 2**30:.3f} GiB on disk, extension share {100 * info['extension_share']:.2f}%"
     )
     t = Table()
-    for col, just in (("group", "left"), ("ratio", "right"), ("mode", "left"), ("K", "right"), ("K_E", "right"),
+    t.add_column("group", no_wrap=True)
+    for col, just in ( ("ratio", "right"), ("mode", "left"), ("K", "right"), ("K_E", "right"),
                       ("base bytes", "right"), ("ext bytes", "right"), ("ext share", "right")):
         t.add_column(col, justify=just)
     for r in info["groups"]:
         members = r["members"]
         name = members[0] if len(members) == 1 else members[0].rsplit(".", 1)[0] + "." + "+".join(m.rsplit(".", 1)[1] for m in members)
+        name = name.replace("model.layers.", "layers.")
         share = r["extension_bytes"] / (r["base_bytes"] + r["extension_bytes"]) if r["base_bytes"] else 0.0
         t.add_row(name, f"{r['ratio']:g}", r["mode"], str(r["K"]), str(r["K_E"]), f"{r['base_bytes']:,}",
                   f"{r['extension_bytes']:,}", f"{100 * share:.1f}%")
