@@ -132,16 +132,21 @@ def main() -> int:
             want = [q.codes, q.scales.view(torch.uint8)]
         exact = all(torch.equal(g.cpu(), w.cpu()) for g, w in zip(outs[0], want))
 
-        i = [0]
+        per_rows = {}
+        for rows in (1, 2, 4):
+            i = [0]
 
-        def run():
-            j = i[0] % 3
-            kernel.quantize_extend_raw(xs[j], mask, ksel, fmt, a, "ceil", K_E, outs[j])
-            i[0] += 1
+            def run(rows=rows):
+                j = i[0] % 3
+                kernel.quantize_extend_raw(xs[j], mask, ksel, fmt, a, "ceil", K_E, outs[j], rows=rows)
+                i[0] += 1
 
-        ms = time_ms(run, reps=100)
+            per_rows[rows] = time_ms(run, reps=100)
+        best_rows = min(per_rows, key=per_rows.get)
+        ms = per_rows[best_rows]
         moved = sum(t.numel() for t in outs[0]) + xs[0].numel() * 2 + (K // 8 if mask is not None else 0)
         gbs = moved / ms / 1e6
+        print("   rows per thread: " + ", ".join(f"{r}: {t * 1e3:.1f} us" for r, t in per_rows.items()))
 
         def unfused():
             if ksel == 8:
@@ -150,7 +155,7 @@ def main() -> int:
                 kext.extended_activation(xs[2], mask, ratio, fmt, alpha=a)
 
         ref_ms = time_ms(unfused, reps=5, warmup=1)
-        rows.append((fmt, ratio, K_E, exact, ms, gbs, gbs / copy_gbs, ref_ms / ms, modelopt_ms))
+        rows.append((fmt, ratio, K_E, exact, ms, gbs, gbs / copy_gbs, ref_ms / ms, modelopt_ms, best_rows))
         print(
             f"{fmt} ratio {ratio:<5} K_E {K_E:5d} exact {exact}  {ms * 1e3:7.1f} us  {gbs:6.0f} GB/s "
             f"({100 * gbs / copy_gbs:4.1f}% of copy)  unfused {ref_ms:7.3f} ms ({ref_ms / ms:5.1f}x)"
@@ -170,13 +175,13 @@ def main() -> int:
             else "ModelOpt's kernel could not be imported in this run."
         ),
         "",
-        "| format | ratio | K_E | bit-exact | kernel (us) | GB/s | % of copy | speedup vs unfused PyTorch | time / ModelOpt |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| format | ratio | K_E | bit-exact | rows/thread | kernel (us) | GB/s | % of copy | speedup vs unfused PyTorch | time / ModelOpt |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for fmt, ratio, K_E, exact, ms, gbs, frac, speed, mo in rows:
+    for fmt, ratio, K_E, exact, ms, gbs, frac, speed, mo, best_rows in rows:
         vs = f"{ms / mo:.2f}x" if mo else "n/a"
         lines.append(
-            f"| {fmt} | {ratio} | {K_E} | {'yes' if exact else 'NO'} | {ms * 1e3:.1f} | {gbs:.0f} | {100 * frac:.1f}% | "
+            f"| {fmt} | {ratio} | {K_E} | {'yes' if exact else 'NO'} | {best_rows} | {ms * 1e3:.1f} | {gbs:.0f} | {100 * frac:.1f}% | "
             f"{speed:.1f}x | {vs} |"
         )
     text = "\n".join(lines) + "\n"

@@ -54,28 +54,33 @@ struct Params {
 
 // ---------------------------------------------------------------- element and scale helpers
 
-// E2M1 magnitude code (0..7) of a >= 0, round to nearest, ties to even, saturating at 6.
-// Below 1 the grid is 0, 0.5, 1 (step 0.5): cvt.rni of 2a gives it with ties to even.
-// From 1 up the grid keeps one mantissa bit: round the FP32 pattern at bit 22 (RNE), then the
-// exponent/mantissa pair (E - 127)*2 + m + 2 is the code, i.e. (bits >> 22) - 252.
-// NaN takes the first branch and gives 0, like the reference's threshold compares.
-__device__ __forceinline__ uint32_t e2m1_magnitude(float a) {
-  if (!(a >= 1.0f)) return static_cast<uint32_t>(__float2int_rn(__fmul_rn(a, 2.0f)));
+// E2M1 of a >= 0, round to nearest, ties to even, saturating at 6: returns the magnitude code
+// (0..7) and sets *v to its value. Below 1 the grid is 0, 0.5, 1 (step 0.5): adding 1.5 * 2^23 to
+// 2a rounds it to an integer with ties to even (2a is exact, so one FMA is one rounding). From 1
+// up the grid keeps one mantissa bit: round the FP32 pattern at bit 22 (RNE); then
+// (bits >> 22) - 252 is the code ((E - 127) * 2 + m + 2) and (bits >> 22) << 22 the value.
+// NaN inputs are not supported (the reference's amax propagates NaN, this kernel's does not).
+__device__ __forceinline__ uint32_t e2m1_round(float a, float* v) {
+  constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
+  if (a < 1.0f) {
+    const float t = __fmaf_rn(a, 2.0f, kMagic);
+    *v = __fmul_rn(__fsub_rn(t, kMagic), 0.5f);
+    return __float_as_uint(t) - 0x4B400000u;
+  }
   const uint32_t u = __float_as_uint(a);
-  const uint32_t r = (u + 0x1FFFFFu + ((u >> 22) & 1u)) >> 22;
-  return min(r - 252u, 7u);
+  const uint32_t r = min((u + 0x1FFFFFu + ((u >> 22) & 1u)) >> 22, 259u);  // 259 <-> 6.0
+  *v = __uint_as_float(r << 22);
+  return r - 252u;
 }
 
-// Code (sign bit 3 from the quotient's sign, as the reference's `x < 0`).
-__device__ __forceinline__ uint32_t e2m1_code(float q) {
-  return e2m1_magnitude(fabsf(q)) | (q < 0.0f ? 8u : 0u);
-}
-
-// Value of a code, FP32 (code 8 is -0).
-__device__ __forceinline__ float e2m1_value(uint32_t code) {
-  const uint32_t m = code & 7u;
-  const float v = m >= 2u ? __uint_as_float((m + 252u) << 22) : __fmul_rn(static_cast<float>(m), 0.5f);
-  return (code & 8u) ? -v : v;
+// Code (sign bit 3 from the quotient's sign, as the reference's `q < 0`) and its value
+// (code 8 is -0, as the reference's decode table).
+__device__ __forceinline__ uint32_t e2m1_code(float q, float* value) {
+  float v;
+  const uint32_t m = e2m1_round(fabsf(q), &v);
+  const bool neg = q < 0.0f;
+  *value = neg ? -v : v;
+  return m | (neg ? 8u : 0u);
 }
 
 // 2^e for integer e in [-127, 127], exact (2^-127 is subnormal).
@@ -133,9 +138,10 @@ __device__ __forceinline__ uint32_t quantize_values(const float (&v)[N], float a
     const float d = __fmul_rn(sf, alpha);
 #pragma unroll
     for (int t = 0; t < N; ++t) {
-      const uint32_t c = e2m1_code(__fdiv_rn(v[t], d));
+      float val;
+      const uint32_t c = e2m1_code(__fdiv_rn(v[t], d), &val);
       packed |= c << (4 * t);
-      if (residue) (*residue)[t] = __fsub_rn(v[t], __fmul_rn(e2m1_value(c), d));
+      if (residue) (*residue)[t] = __fsub_rn(v[t], __fmul_rn(val, d));
     }
   } else {
     const int e = mxfp4_exponent(amax, rounding);
@@ -143,17 +149,17 @@ __device__ __forceinline__ uint32_t quantize_values(const float (&v)[N], float a
     const float inv = pow2_exact(-e), scale = pow2_exact(e);
 #pragma unroll
     for (int t = 0; t < N; ++t) {
-      const uint32_t c = e2m1_code(__fmul_rn(v[t], inv));
+      float val;
+      const uint32_t c = e2m1_code(__fmul_rn(v[t], inv), &val);
       packed |= c << (4 * t);
-      if (residue) (*residue)[t] = __fsub_rn(v[t], __fmul_rn(e2m1_value(c), scale));
+      if (residue) (*residue)[t] = __fsub_rn(v[t], __fmul_rn(val, scale));
     }
   }
   return packed;
 }
 
 template <bool BF16>
-__device__ __forceinline__ void load_group(const void* x, int64_t offset, float (&f)[kGroup]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(x) + offset);
+__device__ __forceinline__ void unpack_group(const uint4 raw, float (&f)[kGroup]) {
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -169,92 +175,115 @@ __device__ __forceinline__ void load_group(const void* x, int64_t offset, float 
 
 // ---------------------------------------------------------------- kernel
 
-// KSEL: channels selected per group: 0 (plain), 1/2/4 (K-Ext), 8 (full, separate outputs).
+// One row's work for this thread's group g. Every lane of the warp calls it (shuffles).
 template <bool BF16, int FMT, int KSEL>
-__global__ void __launch_bounds__(kThreads) quantize_extend_kernel(const Params p) {
+__device__ __forceinline__ void process_row(const Params& p, const uint4 raw, const int64_t row, const int g,
+                                            const bool has_input, const uint32_t mask, const float alpha,
+                                            const float six_alpha) {
   constexpr int B = FMT == kNVFP4 ? 16 : 32;  // block size
   constexpr int BASE_LANES = B / kGroup;      // 2 or 4
   constexpr int KS = KSEL == 0 ? 1 : KSEL;
   constexpr int RES_LANES = KSEL == 8 ? BASE_LANES : B / KS;  // lanes per residue block
+  const int W = p.K + p.KE;                                   // extended width
 
+  float f[kGroup];
+  unpack_group<BF16>(raw, f);
+
+  // Base quantization; residues in registers.
+  float r[kGroup];
+  uint8_t sbyte;
+  const uint32_t base =
+      quantize_values<FMT, BASE_LANES, kGroup>(f, alpha, six_alpha, p.rounding, &sbyte, KSEL ? &r : nullptr);
+  if (has_input) {
+    *reinterpret_cast<uint32_t*>(p.codes + row * (W / 2) + g * 4) = base;
+    if (g % BASE_LANES == 0) p.scales[row * (W / B) + g / BASE_LANES] = sbyte;
+  }
+  if (KSEL == 0) return;
+
+  if (KSEL == 8) {
+    // Full compensation: every channel's residue, same block layout as the base.
+    const uint32_t res = quantize_values<FMT, BASE_LANES, kGroup>(r, alpha, six_alpha, p.rounding, &sbyte, nullptr);
+    if (has_input) {
+      *reinterpret_cast<uint32_t*>(p.rcodes + row * (p.K / 2) + g * 4) = res;
+      if (g % BASE_LANES == 0) p.rscales[row * (p.K / B) + g / BASE_LANES] = sbyte;
+    }
+    return;
+  }
+
+  // K-Ext: pick the selected residues in ascending channel order (compile-time register
+  // indices only: each slot takes the lowest remaining mask bit through a select chain).
+  float sel[KS];
+  uint32_t m = mask;
+#pragma unroll
+  for (int t = 0; t < KS; ++t) {
+    const int j = __ffs(m) - 1;  // -1 when no bit is left
+    m &= m - 1u;
+    float v = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kGroup; ++c) v = j == c ? r[c] : v;
+    sel[t] = v;
+  }
+  const uint32_t ext = quantize_values<FMT, RES_LANES, KS>(sel, alpha, six_alpha, p.rounding, &sbyte, nullptr);
+  const int pos = g * KS;  // first compacted position of this group
+  uint8_t* ext_codes = p.codes + row * (W / 2) + p.K / 2;
+  if (KS == 1) {
+    const uint32_t hi = __shfl_down_sync(kFull, ext, 1);
+    if ((g & 1) == 0 && pos < p.KE) ext_codes[pos / 2] = static_cast<uint8_t>(ext | (hi << 4));
+  } else if (pos < p.KE) {
+    if (KS == 2) ext_codes[pos / 2] = static_cast<uint8_t>(ext);
+    else *reinterpret_cast<uint16_t*>(ext_codes + pos / 2) = static_cast<uint16_t>(ext);
+  }
+  if (g % RES_LANES == 0 && pos < p.KE) p.scales[row * (W / B) + p.K / B + pos / B] = sbyte;
+}
+
+// KSEL: channels selected per group: 0 (plain), 1/2/4 (K-Ext), 8 (full, separate outputs).
+// ROWS: rows per thread and iteration; their loads are all issued before any compute, so that
+// more bytes are in flight per thread.
+template <bool BF16, int FMT, int KSEL, int ROWS>
+__global__ void __launch_bounds__(kThreads) quantize_extend_kernel(const Params p) {
   const int g = blockIdx.x * kThreads + threadIdx.x;
-  const int G = p.K / kGroup;
-  const bool has_input = g < G;
-  const int W = p.K + p.KE;  // extended width
+  const bool has_input = g < p.K / kGroup;
   const float alpha = FMT == kNVFP4 ? *p.alpha : 0.0f;
   const float six_alpha = __fmul_rn(6.0f, alpha);
-  uint32_t mask = 0;
-  if (KSEL > 0 && KSEL < 8 && has_input) mask = p.mask[g];
+  const uint32_t mask = (KSEL > 0 && KSEL < 8 && has_input) ? p.mask[g] : 0u;
+  const uint16_t* x = static_cast<const uint16_t*>(p.x) + static_cast<int64_t>(g) * kGroup;
 
-  for (int64_t row = blockIdx.y; row < p.M; row += gridDim.y) {
-    float f[kGroup];
-    if (has_input) {
-      load_group<BF16>(p.x, row * p.K + static_cast<int64_t>(g) * kGroup, f);
-    } else {
+  for (int64_t row0 = static_cast<int64_t>(blockIdx.y) * ROWS; row0 < p.M;
+       row0 += static_cast<int64_t>(gridDim.y) * ROWS) {
+    uint4 raw[ROWS];
 #pragma unroll
-      for (int c = 0; c < kGroup; ++c) f[c] = 0.0f;
+    for (int i = 0; i < ROWS; ++i) {
+      raw[i] = make_uint4(0u, 0u, 0u, 0u);
+      if (has_input && row0 + i < p.M) raw[i] = __ldcs(reinterpret_cast<const uint4*>(x + (row0 + i) * p.K));
     }
-
-    // Base quantization; residues in registers.
-    float r[kGroup];
-    uint8_t sbyte;
-    const uint32_t base = quantize_values<FMT, BASE_LANES, kGroup>(f, alpha, six_alpha, p.rounding, &sbyte,
-                                                                 KSEL ? &r : nullptr);
-    if (has_input) {
-      *reinterpret_cast<uint32_t*>(p.codes + row * (W / 2) + g * 4) = base;
-      if (g % BASE_LANES == 0) p.scales[row * (W / B) + g / BASE_LANES] = sbyte;
-    }
-    if (KSEL == 0) continue;
-
-    if (KSEL == 8) {
-      // Full compensation: every channel's residue, same block layout as the base.
-      const uint32_t res = quantize_values<FMT, BASE_LANES, kGroup>(r, alpha, six_alpha, p.rounding, &sbyte, nullptr);
-      if (has_input) {
-        *reinterpret_cast<uint32_t*>(p.rcodes + row * (p.K / 2) + g * 4) = res;
-        if (g % BASE_LANES == 0) p.rscales[row * (p.K / B) + g / BASE_LANES] = sbyte;
-      }
-      continue;
-    }
-
-    // K-Ext: pick the selected residues in ascending channel order (compile-time register
-    // indices only: each slot takes the lowest remaining mask bit through a select chain).
-    float sel[KS];
-    uint32_t m = has_input ? mask : 0u;
 #pragma unroll
-    for (int t = 0; t < KS; ++t) {
-      const int j = __ffs(m) - 1;  // -1 when no bit is left
-      m &= m - 1u;
-      float v = 0.0f;
-#pragma unroll
-      for (int c = 0; c < kGroup; ++c) v = j == c ? r[c] : v;
-      sel[t] = v;
+    for (int i = 0; i < ROWS; ++i) {
+      if (row0 + i < p.M)  // uniform across the CTA: one row at a time
+        process_row<BF16, FMT, KSEL>(p, raw[i], row0 + i, g, has_input, mask, alpha, six_alpha);
     }
-    const uint32_t ext = quantize_values<FMT, RES_LANES, KS>(sel, alpha, six_alpha, p.rounding, &sbyte, nullptr);
-    const int pos = g * KS;  // first compacted position of this group
-    uint8_t* ext_codes = p.codes + row * (W / 2) + p.K / 2;
-    if (KS == 1) {
-      const uint32_t hi = __shfl_down_sync(kFull, ext, 1);
-      if ((g & 1) == 0 && pos < p.KE) ext_codes[pos / 2] = static_cast<uint8_t>(ext | (hi << 4));
-    } else if (pos < p.KE) {
-      if (KS == 2) ext_codes[pos / 2] = static_cast<uint8_t>(ext);
-      else *reinterpret_cast<uint16_t*>(ext_codes + pos / 2) = static_cast<uint16_t>(ext);
-    }
-    if (g % RES_LANES == 0 && pos < p.KE) p.scales[row * (W / B) + p.K / B + pos / B] = sbyte;
   }
 }
 
-template <bool BF16, int FMT>
-cudaError_t launch_fmt(const Params& p, int ksel, cudaStream_t stream) {
-  const dim3 grid((p.groups + kThreads - 1) / kThreads, static_cast<unsigned>(p.M < 65535 ? p.M : 65535));
+template <bool BF16, int FMT, int ROWS>
+cudaError_t launch_rows(const Params& p, int ksel, cudaStream_t stream) {
+  const int64_t iters = (p.M + ROWS - 1) / ROWS;
+  const dim3 grid((p.groups + kThreads - 1) / kThreads, static_cast<unsigned>(iters < 65535 ? iters : 65535));
   switch (ksel) {
-    case 0: quantize_extend_kernel<BF16, FMT, 0><<<grid, kThreads, 0, stream>>>(p); break;
-    case 1: quantize_extend_kernel<BF16, FMT, 1><<<grid, kThreads, 0, stream>>>(p); break;
-    case 2: quantize_extend_kernel<BF16, FMT, 2><<<grid, kThreads, 0, stream>>>(p); break;
-    case 4: quantize_extend_kernel<BF16, FMT, 4><<<grid, kThreads, 0, stream>>>(p); break;
-    case 8: quantize_extend_kernel<BF16, FMT, 8><<<grid, kThreads, 0, stream>>>(p); break;
+    case 0: quantize_extend_kernel<BF16, FMT, 0, ROWS><<<grid, kThreads, 0, stream>>>(p); break;
+    case 1: quantize_extend_kernel<BF16, FMT, 1, ROWS><<<grid, kThreads, 0, stream>>>(p); break;
+    case 2: quantize_extend_kernel<BF16, FMT, 2, ROWS><<<grid, kThreads, 0, stream>>>(p); break;
+    case 4: quantize_extend_kernel<BF16, FMT, 4, ROWS><<<grid, kThreads, 0, stream>>>(p); break;
+    case 8: quantize_extend_kernel<BF16, FMT, 8, ROWS><<<grid, kThreads, 0, stream>>>(p); break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
+}
+
+template <bool BF16, int FMT>
+cudaError_t launch_fmt(const Params& p, int ksel, int rows, cudaStream_t stream) {
+  if (rows == 1) return launch_rows<BF16, FMT, 1>(p, ksel, stream);
+  if (rows == 2) return launch_rows<BF16, FMT, 2>(p, ksel, stream);
+  return launch_rows<BF16, FMT, 4>(p, ksel, stream);
 }
 
 }  // namespace resserve
@@ -265,8 +294,9 @@ cudaError_t launch_fmt(const Params& p, int ksel, cudaStream_t stream) {
 // layout contract (checked here so that no launch can write out of bounds).
 extern "C" int resserve_quantize_extend(const void* x, int is_bf16, int64_t M, int K, const uint8_t* mask, int ksel,
                                         int fmt, int rounding, const float* alpha, uint8_t* codes, uint8_t* scales,
-                                        int KE, uint8_t* rcodes, uint8_t* rscales, void* stream) {
+                                        int KE, uint8_t* rcodes, uint8_t* rscales, int rows, void* stream) {
   using namespace resserve;
+  if (rows != 1 && rows != 2 && rows != 4) return cudaErrorInvalidValue;
   if (fmt != kNVFP4 && fmt != kMXFP4) return cudaErrorInvalidValue;
   const int B = fmt == kNVFP4 ? 16 : 32;
   const int pad = fmt == kNVFP4 ? 64 : 128;
@@ -285,8 +315,8 @@ extern "C" int resserve_quantize_extend(const void* x, int is_bf16, int64_t M, i
   p.groups = K / kGroup;
   if (partial && KE / ksel > p.groups) p.groups = KE / ksel;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (is_bf16) return fmt == kNVFP4 ? launch_fmt<true, kNVFP4>(p, ksel, s) : launch_fmt<true, kMXFP4>(p, ksel, s);
-  return fmt == kNVFP4 ? launch_fmt<false, kNVFP4>(p, ksel, s) : launch_fmt<false, kMXFP4>(p, ksel, s);
+  if (is_bf16) return fmt == kNVFP4 ? launch_fmt<true, kNVFP4>(p, ksel, rows, s) : launch_fmt<true, kMXFP4>(p, ksel, rows, s);
+  return fmt == kNVFP4 ? launch_fmt<false, kNVFP4>(p, ksel, rows, s) : launch_fmt<false, kMXFP4>(p, ksel, rows, s);
 }
 
 extern "C" const char* resserve_error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }

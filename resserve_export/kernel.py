@@ -35,6 +35,8 @@ _ROUNDING_CODE = {ScaleRounding.CEIL: 0, ScaleRounding.FLOOR: 1, ScaleRounding.E
 _SOURCES = ("quantize_extend.cu", "binding.cpp")
 # Compiler flags: no fast math, and no multiply fused into an add anywhere (SPEC §3 order).
 CUDA_FLAGS = ("-O3", "-std=c++17", "-fmad=false")
+# Rows each thread loads before computing (1, 2 or 4): more bytes in flight per thread.
+DEFAULT_ROWS = int(os.environ.get("RESSERVE_KERNEL_ROWS", "4"))
 
 
 class KernelUnavailable(UserError):
@@ -125,7 +127,7 @@ def _check_mask(mask: torch.Tensor, K: int, k: int, device) -> torch.Tensor:
     return mask
 
 
-def _run(x: torch.Tensor, mask, ksel: int, fmt: str, alpha, rounding: ScaleRounding, K_E: int, out=None):
+def _run(x: torch.Tensor, mask, ksel: int, fmt: str, alpha, rounding: ScaleRounding, K_E: int, out=None, rows=None):
     """Launch the kernel on 2-D contiguous x; returns (codes, scales, rcodes, rscales) as uint8."""
     M, K = x.shape
     b = BLOCK[fmt]
@@ -140,7 +142,8 @@ def _run(x: torch.Tensor, mask, ksel: int, fmt: str, alpha, rounding: ScaleRound
     empty = torch.empty(0, dtype=torch.uint8, device=dev)
     a = alpha if alpha is not None else torch.zeros((), dtype=torch.float32, device=dev)
     _extension().quantize_extend_out(
-        x, mask if mask is not None else empty, a, *out, ksel, _FMT_CODE[fmt], _ROUNDING_CODE[rounding], K_E
+        x, mask if mask is not None else empty, a, *out, ksel, _FMT_CODE[fmt], _ROUNDING_CODE[rounding], K_E,
+        DEFAULT_ROWS if rows is None else rows,
     )
     return out
 
@@ -218,12 +221,13 @@ def quantize_full(
     return _as_fp4(fmt, codes, scales, a, lead), _as_fp4(fmt, rcodes, rscales, a, lead)
 
 
-def quantize_extend_raw(x: torch.Tensor, mask, ksel: int, fmt: str, alpha, rounding, K_E: int, out) -> None:
+def quantize_extend_raw(x: torch.Tensor, mask, ksel: int, fmt: str, alpha, rounding, K_E: int, out, rows=None) -> None:
     """Launch into caller-provided uint8 outputs (tests poison them; the benchmark reuses them).
 
-    x: contiguous 2-D CUDA bf16/fp16; out = (codes, scales, rcodes, rscales); ksel 0/1/2/4/8.
+    x: contiguous 2-D CUDA bf16/fp16; out = (codes, scales, rcodes, rscales); ksel 0/1/2/4/8;
+    rows: rows per thread (1, 2, 4; default `DEFAULT_ROWS`).
     """
-    _run(x, mask, ksel, fmt, alpha, ScaleRounding(rounding), K_E, out=out)
+    _run(x, mask, ksel, fmt, alpha, ScaleRounding(rounding), K_E, out=out, rows=rows)
 
 
 __all__ = [
