@@ -36,6 +36,7 @@ def make_llama(path: Path, *, seed: int = 0, intermediate: int = 128, dtype=torc
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     tok = tokenizer_dir()
     torch.manual_seed(seed)
     cfg = LlamaConfig(
