@@ -453,7 +453,9 @@ def calibrate(
         if config.scores != "none":
             from .scores import compute_scores
 
-            scores = compute_scores(net, batches, stats, groups, config.scores, list(RATIOS), config.format, config.score_samples)
+            scores = compute_scores(
+                net, batches, stats, groups, config.scores, list(RATIOS), config.format, config.score_samples, show_progress=show_progress
+            )
     finally:
         if offload is not None:
             shutil.rmtree(offload, ignore_errors=True)

@@ -282,3 +282,14 @@ def test_default_text_splits_are_disjoint():
     assert len(held) == 2 * len(data.EVAL_PLAYS)  # both editions of each held-out play
     assert not {data._play_of(p) for p in calib} & plays
     assert all(p.name != "metadata.txt" for p in calib)
+
+
+def test_scores_written_beside_salience(tiny, texts, tmp_path):
+    out = run(tiny, tmp_path / "calib", texts, num_samples=4, scores="kl", score_samples=2)
+    scores = json.loads((out / "scores.json").read_text())
+    _, rec = read(out)
+    assert scores["method"] == "kl" and scores["samples"] == 2
+    assert scores["ratios"] == [0, 0.125, 0.25, 0.5, 1]
+    assert [g["modules"] for g in scores["groups"]] == rec["groups"]
+    for g in scores["groups"]:
+        assert set(g["scores"]) == {"0", "0.125", "0.25", "0.5", "1"}
