@@ -110,6 +110,8 @@ def main() -> int:
         print(f"ModelOpt fp4_fake_quant_block unavailable: {type(e).__name__}: {e}")
 
     rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    VARIANTS = [(1, 0), (4, 0), (1, sms * 16), (2, sms * 16), (4, sms * 16), (4, sms * 8)]
     cases = [("nvfp4", r) for r in (0.0, 0.125, 0.25, 0.5, 1.0)] + [("mxfp4", r) for r in (0.0, 0.25, 1.0)]
     for fmt, ratio in cases:
         K_E = kext.ext_width(K, ratio, fmt)
@@ -133,20 +135,21 @@ def main() -> int:
         exact = all(torch.equal(g.cpu(), w.cpu()) for g, w in zip(outs[0], want))
 
         per_rows = {}
-        for rows in (1, 2, 4):
+        for variant in VARIANTS:
             i = [0]
 
-            def run(rows=rows):
+            def run(variant=variant):
                 j = i[0] % 3
-                kernel.quantize_extend_raw(xs[j], mask, ksel, fmt, a, "ceil", K_E, outs[j], rows=rows)
+                nrows, ctas = variant
+                kernel.quantize_extend_raw(xs[j], mask, ksel, fmt, a, "ceil", K_E, outs[j], rows=nrows, max_ctas=ctas)
                 i[0] += 1
 
-            per_rows[rows] = time_ms(run, reps=100)
+            per_rows[variant] = time_ms(run, reps=100)
         best_rows = min(per_rows, key=per_rows.get)
         ms = per_rows[best_rows]
         moved = sum(t.numel() for t in outs[0]) + xs[0].numel() * 2 + (K // 8 if mask is not None else 0)
         gbs = moved / ms / 1e6
-        print("   rows per thread: " + ", ".join(f"{r}: {t * 1e3:.1f} us" for r, t in per_rows.items()))
+        print("   (rows/thread, max CTAs): " + ", ".join(f"{r}: {t * 1e3:.1f} us" for r, t in per_rows.items()))
 
         def unfused():
             if ksel == 8:
@@ -175,13 +178,13 @@ def main() -> int:
             else "ModelOpt's kernel could not be imported in this run."
         ),
         "",
-        "| format | ratio | K_E | bit-exact | rows/thread | kernel (us) | GB/s | % of copy | speedup vs unfused PyTorch | time / ModelOpt |",
+        "| format | ratio | K_E | bit-exact | (rows/thread, max CTAs) | kernel (us) | GB/s | % of copy | speedup vs unfused PyTorch | time / ModelOpt |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for fmt, ratio, K_E, exact, ms, gbs, frac, speed, mo, best_rows in rows:
         vs = f"{ms / mo:.2f}x" if mo else "n/a"
         lines.append(
-            f"| {fmt} | {ratio} | {K_E} | {'yes' if exact else 'NO'} | {best_rows} | {ms * 1e3:.1f} | {gbs:.0f} | {100 * frac:.1f}% | "
+            f"| {fmt} | {ratio} | {K_E} | {'yes' if exact else 'NO'} | {best_rows[0]}, {best_rows[1]} | {ms * 1e3:.1f} | {gbs:.0f} | {100 * frac:.1f}% | "
             f"{speed:.1f}x | {vs} |"
         )
     text = "\n".join(lines) + "\n"

@@ -7,7 +7,8 @@
 
 extern "C" int resserve_quantize_extend(const void* x, int is_bf16, int64_t M, int K, const uint8_t* mask, int ksel,
                                         int fmt, int rounding, const float* alpha, uint8_t* codes, uint8_t* scales,
-                                        int KE, uint8_t* rcodes, uint8_t* rscales, int rows, void* stream);
+                                        int KE, uint8_t* rcodes, uint8_t* rscales, int rows, int max_ctas,
+                                        void* stream);
 extern "C" const char* resserve_error_string(int err);
 
 namespace {
@@ -26,7 +27,7 @@ void check_out(const at::Tensor& t, const at::Tensor& x, int64_t rows, int64_t c
 // fmt: 0 NVFP4, 1 MXFP4; rounding: 0 ceil, 1 floor, 2 even; ksel: 0, 1, 2, 4 (K-Ext) or 8 (full).
 void quantize_extend_out(const at::Tensor& x, const at::Tensor& mask, const at::Tensor& alpha, at::Tensor codes,
                          at::Tensor scales, at::Tensor rcodes, at::Tensor rscales, int64_t ksel, int64_t fmt,
-                         int64_t rounding, int64_t KE, int64_t rows) {
+                         int64_t rounding, int64_t KE, int64_t rows, int64_t max_ctas) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-D CUDA tensor");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "x must be bfloat16 or float16, got ",
               x.scalar_type());
@@ -54,7 +55,7 @@ void quantize_extend_out(const at::Tensor& x, const at::Tensor& mask, const at::
       ksel > 0 && ksel < 8 ? static_cast<const uint8_t*>(mask.data_ptr()) : nullptr, static_cast<int>(ksel),
       static_cast<int>(fmt), static_cast<int>(rounding), fmt == 0 ? alpha.data_ptr<float>() : nullptr,
       bytes_or_null(codes), bytes_or_null(scales), static_cast<int>(KE), ksel == 8 ? bytes_or_null(rcodes) : nullptr,
-      ksel == 8 ? bytes_or_null(rscales) : nullptr, static_cast<int>(rows), c10::cuda::getCurrentCUDAStream().stream());
+      ksel == 8 ? bytes_or_null(rscales) : nullptr, static_cast<int>(rows), static_cast<int>(max_ctas), c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == 0, "resserve quantize_extend failed: ", resserve_error_string(err));
 }
 

@@ -52,6 +52,9 @@ struct Params {
   int groups;            // groups launched per row: max(K/8, K_E/k)
 };
 
+// CTAs per row-iteration grid: 0 = one row block per CTA row (grid.y = ceil(M/ROWS)), else at
+// most this many CTAs in all, each looping over rows (fewer, longer-lived CTAs).
+
 // ---------------------------------------------------------------- element and scale helpers
 
 // E2M1 of a >= 0, round to nearest, ties to even, saturating at 6: returns the magnitude code
@@ -116,6 +119,36 @@ __device__ __forceinline__ int mxfp4_exponent(float amax, int rounding) {
   return max(-127, min(127, e));
 }
 
+// q[t] = x[t] / d, correctly rounded (IEEE), for the values of one thread that share the
+// divisor d. The compiler's own division recomputes the reciprocal for every element and wraps
+// each one in a slow-path branch, which serialises the 8 elements. Here the reciprocal is
+// computed once and each quotient takes the same fast sequence the compiler emits
+// (q0 = x*y, r = x - d*q0, q = q0 + y*r, with y the Newton-refined approximate reciprocal).
+// That sequence is correctly rounded as long as nothing underflows or overflows; when any
+// value of the thread lies outside a generous safe range (d in [2^-26, 2^100], nonzero |x| in
+// [d*2^-100, d*2^100]) every quotient of the thread is recomputed with the IEEE division.
+template <int N>
+__device__ __forceinline__ void divide_all(const float (&x)[N], float d, float amax, float (&q)[N]) {
+  float y0;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y0) : "f"(d));
+  const float y = __fmaf_rn(y0, __fmaf_rn(-d, y0, 1.0f), y0);
+  const float lo = __fmul_rn(d, 7.888609052210118e-31f /* 2^-100 */);
+  bool ok = d >= 1.4901161193847656e-08f /* 2^-26 */ && d <= 1.2676506002282294e30f /* 2^100 */ &&
+            amax <= __fmul_rn(d, 1.2676506002282294e30f);
+#pragma unroll
+  for (int t = 0; t < N; ++t) {
+    const float q0 = __fmul_rn(x[t], y);
+    const float r = __fmaf_rn(-d, q0, x[t]);
+    q[t] = __fmaf_rn(y, r, q0);
+    const float a = fabsf(x[t]);
+    ok &= !(a < lo && a > 0.0f);
+  }
+  if (!ok) {
+#pragma unroll
+    for (int t = 0; t < N; ++t) q[t] = __fdiv_rn(x[t], d);
+  }
+}
+
 template <int LANES>
 __device__ __forceinline__ float lane_max(float v) {
 #pragma unroll
@@ -136,10 +169,12 @@ __device__ __forceinline__ uint32_t quantize_values(const float (&v)[N], float a
   if (FMT == kNVFP4) {
     const float sf = nvfp4_scale(amax, six_alpha, scale_byte);
     const float d = __fmul_rn(sf, alpha);
+    float q[N];
+    divide_all<N>(v, d, amax, q);
 #pragma unroll
     for (int t = 0; t < N; ++t) {
       float val;
-      const uint32_t c = e2m1_code(__fdiv_rn(v[t], d), &val);
+      const uint32_t c = e2m1_code(q[t], &val);
       packed |= c << (4 * t);
       if (residue) (*residue)[t] = __fsub_rn(v[t], __fmul_rn(val, d));
     }
@@ -265,9 +300,12 @@ __global__ void __launch_bounds__(kThreads) quantize_extend_kernel(const Params 
 }
 
 template <bool BF16, int FMT, int ROWS>
-cudaError_t launch_rows(const Params& p, int ksel, cudaStream_t stream) {
+cudaError_t launch_rows(const Params& p, int ksel, int max_ctas, cudaStream_t stream) {
   const int64_t iters = (p.M + ROWS - 1) / ROWS;
-  const dim3 grid((p.groups + kThreads - 1) / kThreads, static_cast<unsigned>(iters < 65535 ? iters : 65535));
+  const int64_t gx = (p.groups + kThreads - 1) / kThreads;
+  int64_t gy = iters < 65535 ? iters : 65535;
+  if (max_ctas > 0 && gy * gx > max_ctas) gy = max_ctas / gx > 0 ? max_ctas / gx : 1;
+  const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
   switch (ksel) {
     case 0: quantize_extend_kernel<BF16, FMT, 0, ROWS><<<grid, kThreads, 0, stream>>>(p); break;
     case 1: quantize_extend_kernel<BF16, FMT, 1, ROWS><<<grid, kThreads, 0, stream>>>(p); break;
@@ -280,10 +318,10 @@ cudaError_t launch_rows(const Params& p, int ksel, cudaStream_t stream) {
 }
 
 template <bool BF16, int FMT>
-cudaError_t launch_fmt(const Params& p, int ksel, int rows, cudaStream_t stream) {
-  if (rows == 1) return launch_rows<BF16, FMT, 1>(p, ksel, stream);
-  if (rows == 2) return launch_rows<BF16, FMT, 2>(p, ksel, stream);
-  return launch_rows<BF16, FMT, 4>(p, ksel, stream);
+cudaError_t launch_fmt(const Params& p, int ksel, int rows, int max_ctas, cudaStream_t stream) {
+  if (rows == 1) return launch_rows<BF16, FMT, 1>(p, ksel, max_ctas, stream);
+  if (rows == 2) return launch_rows<BF16, FMT, 2>(p, ksel, max_ctas, stream);
+  return launch_rows<BF16, FMT, 4>(p, ksel, max_ctas, stream);
 }
 
 }  // namespace resserve
@@ -294,7 +332,7 @@ cudaError_t launch_fmt(const Params& p, int ksel, int rows, cudaStream_t stream)
 // layout contract (checked here so that no launch can write out of bounds).
 extern "C" int resserve_quantize_extend(const void* x, int is_bf16, int64_t M, int K, const uint8_t* mask, int ksel,
                                         int fmt, int rounding, const float* alpha, uint8_t* codes, uint8_t* scales,
-                                        int KE, uint8_t* rcodes, uint8_t* rscales, int rows, void* stream) {
+                                        int KE, uint8_t* rcodes, uint8_t* rscales, int rows, int max_ctas, void* stream) {
   using namespace resserve;
   if (rows != 1 && rows != 2 && rows != 4) return cudaErrorInvalidValue;
   if (fmt != kNVFP4 && fmt != kMXFP4) return cudaErrorInvalidValue;
@@ -315,8 +353,8 @@ extern "C" int resserve_quantize_extend(const void* x, int is_bf16, int64_t M, i
   p.groups = K / kGroup;
   if (partial && KE / ksel > p.groups) p.groups = KE / ksel;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (is_bf16) return fmt == kNVFP4 ? launch_fmt<true, kNVFP4>(p, ksel, rows, s) : launch_fmt<true, kMXFP4>(p, ksel, rows, s);
-  return fmt == kNVFP4 ? launch_fmt<false, kNVFP4>(p, ksel, rows, s) : launch_fmt<false, kMXFP4>(p, ksel, rows, s);
+  if (is_bf16) return fmt == kNVFP4 ? launch_fmt<true, kNVFP4>(p, ksel, rows, max_ctas, s) : launch_fmt<true, kMXFP4>(p, ksel, rows, max_ctas, s);
+  return fmt == kNVFP4 ? launch_fmt<false, kNVFP4>(p, ksel, rows, max_ctas, s) : launch_fmt<false, kMXFP4>(p, ksel, rows, max_ctas, s);
 }
 
 extern "C" const char* resserve_error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }

@@ -37,6 +37,8 @@ _SOURCES = ("quantize_extend.cu", "binding.cpp")
 CUDA_FLAGS = ("-O3", "-std=c++17", "-fmad=false")
 # Rows each thread loads before computing (1, 2 or 4): more bytes in flight per thread.
 DEFAULT_ROWS = int(os.environ.get("RESSERVE_KERNEL_ROWS", "4"))
+# Cap on CTAs per launch (0: none); capped CTAs loop over rows.
+DEFAULT_MAX_CTAS = int(os.environ.get("RESSERVE_KERNEL_MAX_CTAS", "0"))
 
 
 class KernelUnavailable(UserError):
@@ -127,7 +129,7 @@ def _check_mask(mask: torch.Tensor, K: int, k: int, device) -> torch.Tensor:
     return mask
 
 
-def _run(x: torch.Tensor, mask, ksel: int, fmt: str, alpha, rounding: ScaleRounding, K_E: int, out=None, rows=None):
+def _run(x: torch.Tensor, mask, ksel: int, fmt: str, alpha, rounding: ScaleRounding, K_E: int, out=None, rows=None, max_ctas=None):
     """Launch the kernel on 2-D contiguous x; returns (codes, scales, rcodes, rscales) as uint8."""
     M, K = x.shape
     b = BLOCK[fmt]
@@ -144,6 +146,7 @@ def _run(x: torch.Tensor, mask, ksel: int, fmt: str, alpha, rounding: ScaleRound
     _extension().quantize_extend_out(
         x, mask if mask is not None else empty, a, *out, ksel, _FMT_CODE[fmt], _ROUNDING_CODE[rounding], K_E,
         DEFAULT_ROWS if rows is None else rows,
+        DEFAULT_MAX_CTAS if max_ctas is None else max_ctas,
     )
     return out
 
@@ -221,13 +224,13 @@ def quantize_full(
     return _as_fp4(fmt, codes, scales, a, lead), _as_fp4(fmt, rcodes, rscales, a, lead)
 
 
-def quantize_extend_raw(x: torch.Tensor, mask, ksel: int, fmt: str, alpha, rounding, K_E: int, out, rows=None) -> None:
+def quantize_extend_raw(x: torch.Tensor, mask, ksel: int, fmt: str, alpha, rounding, K_E: int, out, rows=None, max_ctas=None) -> None:
     """Launch into caller-provided uint8 outputs (tests poison them; the benchmark reuses them).
 
     x: contiguous 2-D CUDA bf16/fp16; out = (codes, scales, rcodes, rscales); ksel 0/1/2/4/8;
-    rows: rows per thread (1, 2, 4; default `DEFAULT_ROWS`).
+    rows: rows per thread (1, 2, 4; default `DEFAULT_ROWS`); max_ctas: cap on CTAs (0: none).
     """
-    _run(x, mask, ksel, fmt, alpha, ScaleRounding(rounding), K_E, out=out, rows=rows)
+    _run(x, mask, ksel, fmt, alpha, ScaleRounding(rounding), K_E, out=out, rows=rows, max_ctas=max_ctas)
 
 
 __all__ = [
