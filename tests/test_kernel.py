@@ -45,6 +45,7 @@ def adversarial(M: int, K: int, dtype: torch.dtype, gen: torch.Generator) -> tor
     x = torch.where(u < 0.002, x * 80.0, x)  # outliers
     x = torch.where((u > 0.5) & (u < 0.51), x * 1e-5, x)  # tiny values
     x = torch.where((u > 0.6) & (u < 0.602), torch.full_like(x, -0.0), x)
+    x = torch.where((u > 0.7) & (u < 0.701), x * 1e-38, x)  # bf16 subnormals: the kernel's IEEE division path
     blocks = x.view(M, K // 32, 32)
     zero = torch.rand(M, K // 32, 1, generator=gen, device=dev) < 0.05
     x = torch.where(zero, torch.zeros_like(blocks), blocks).view(M, K)
