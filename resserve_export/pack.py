@@ -56,6 +56,7 @@ from .mxfp4 import ScaleRounding
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt", ".onnx")
 _OWN_FILES = {"config.json", MODEL_INDEX, SIDECAR_INDEX, HF_QUANT_CONFIG, "pytorch_model.bin.index.json"}
 _FLOAT_DTYPES = {"BF16", "F16", "F32"}
+_GROUP_CACHE_BYTES = 1 << 30
 SLOW_ENV = "RESSERVE_TEST_SLOW_PACK"  # seconds to sleep per item (tests of interrupted packs)
 
 
@@ -483,15 +484,23 @@ def _pack_group(g, source, stats, ratio, fmt, rounding, dev, mw, sw, formats, nv
     amax_x = torch.stack([stats[m][1] for m in g.modules]).max()
     mask = select_mask(stats[g.modules[0]][0], ratio) if ratio > 0 else None
     alpha = None
+    # Keep a small group's weights between the amax pass and quantization; re-read large ones.
+    keep = sum(source.entries[f"{m}.weight"].nbytes for m in g.modules) <= _GROUP_CACHE_BYTES
+    cache: dict[str, torch.Tensor] = {}
     if fmt == "nvfp4":
         # One weight_scale_2 for the fused group: the max over members of amax(W) / 2688.
         amax_w = torch.zeros((), dtype=torch.float32)
         for m in g.modules:
-            amax_w = torch.maximum(amax_w, source.get(f"{m}.weight").abs().amax().float())
+            w = source.get(f"{m}.weight")
+            lo, hi = torch.aminmax(w)  # no |W| temporary
+            amax_w = torch.maximum(amax_w, torch.maximum(-lo.float(), hi.float()))
+            if keep:
+                cache[m] = w
         alpha = nvfp4.global_scale(amax_w).to(dev)
     input_scale = nvfp4.global_scale(amax_x).reshape(())
     for m in g.modules:
-        w = source.get(f"{m}.weight").to(dev)
+        w = cache.pop(m, None)
+        w = (w if w is not None else source.get(f"{m}.weight")).to(dev)
         q = formats.quantize(w, fmt, alpha=alpha, rounding=rounding)
         mw.write(f"{m}.{names[0]}", q.codes)
         mw.write(f"{m}.{names[1]}", q.scales)

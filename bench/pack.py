@@ -1,0 +1,240 @@
+"""Benchmark `pack` on a Qwen3-4B-shaped random bf16 checkpoint (~8 GB).
+
+Generates the checkpoint once under ``.cache/bench/`` (4 shards, written tensor by tensor), a
+calibration dir of random statistics following the contract, then runs in separate processes
+(so each peak RSS is its own):
+
+  ours        `pack` NVFP4 at the given ratios (default 0 and 0.25)
+  modelopt    ModelOpt 0.47 ``NVFP4QTensor.quantize`` per linear + safetensors save, shard by shard
+  io          plain safetensors load + save of the same tensors (the I/O floor)
+
+and prints a Markdown table: seconds, GB/s of bf16 source, peak RSS, ratio to the peers.
+
+  .venv/bin/python bench/pack.py [--layers 36] [--ratios 0,0.25] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / ".cache" / "bench"
+
+QWEN3_4B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 2560,
+    "intermediate_size": 9728,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000,
+    "hidden_act": "silu",
+}
+
+
+def _peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def generate(model_dir: Path, layers: int) -> None:
+    """Random bf16 weights (std 0.02, a few outlier columns) with the Qwen3-4B tensor layout."""
+    import torch
+
+    from resserve_export.checkpoint import MODEL_INDEX, ShardedWriter, TensorSpec, dump_json, split_shards
+    from resserve_export.size import shapes_from_config
+
+    cfg = {**QWEN3_4B, "num_hidden_layers": layers}
+    if (model_dir / "config.json").exists() and json.loads((model_dir / "config.json").read_text()) == cfg:
+        return
+    shutil.rmtree(model_dir, ignore_errors=True)
+    tmp = model_dir.with_name(model_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shapes = shapes_from_config(cfg)
+    specs = [TensorSpec(n, d, s) for n, (d, s) in shapes.items()]
+    total = sum(s.nbytes for s in specs)
+    w = ShardedWriter(tmp, "model", split_shards(specs, total // 4 + 1))
+    g = torch.Generator().manual_seed(0)
+    for s in specs:
+        if len(s.shape) == 1:
+            t = torch.ones(s.shape, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(s.shape, generator=g) * 0.02).to(torch.bfloat16)
+            t[:, :: max(1, s.shape[1] // 8)] *= 20  # some salient input channels
+        w.write(s.name, t)
+        del t
+    w.close()
+    (tmp / MODEL_INDEX).write_text(dump_json(w.index()))
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    (tmp / "tokenizer.json").write_text("{}")
+    os.replace(tmp, model_dir)
+
+
+def calibration(model_dir: Path, calib: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from resserve_export import modelio
+    from resserve_export.pack import model_groups
+
+    fp = modelio.fingerprint(model_dir)
+    if (calib / "calibration.json").exists() and json.loads((calib / "calibration.json").read_text())["fingerprint"] == fp:
+        return
+    calib.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(1)
+    t = {}
+    groups = model_groups(modelio.tensor_shapes(model_dir))
+    for grp in groups:
+        mean_abs = torch.rand(grp.in_features, generator=g) + 0.01
+        for m in grp.modules:
+            t[f"{m}.mean_abs"] = mean_abs.clone()
+            t[f"{m}.amax"] = (mean_abs.max() * 10).reshape(())
+    save_file(t, str(calib / "salience.safetensors"))
+    meta = {"model": "qwen3-4b-random", "fingerprint": fp, "dataset": "random", "num_samples": 0, "num_tokens": 0,
+            "seq_len": 0, "batch_size": 0, "seed": 1, "versions": {}, "wall_time_s": 0, "groups": [list(x.modules) for x in groups]}
+    (calib / "calibration.json").write_text(json.dumps(meta))
+
+
+def run_ours(model_dir: Path, calib: Path, out: Path, ratio: float, device: str) -> dict:
+    from resserve_export.pack import pack
+
+    t = time.perf_counter()
+    res = pack(model_dir, calib, out, "nvfp4", ratio=ratio, device=device, overwrite=True, progress=False)
+    return {"seconds": time.perf_counter() - t, "out_bytes": res.bytes_written}
+
+
+def _linear(name: str) -> bool:
+    return name.endswith("_proj.weight")
+
+
+def run_modelopt(model_dir: Path, out: Path) -> dict:
+    import torch
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from resserve_export import modelio
+
+    t = time.perf_counter()
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    written = 0
+    for i, f in enumerate(modelio.weight_files(model_dir)):
+        shard = {}
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                w = h.get_tensor(k)
+                if _linear(k):
+                    q, s, s2 = NVFP4QTensor.quantize(w, 16)
+                    m = k[: -len(".weight")]
+                    shard[k] = q._quantized_data
+                    shard[f"{m}.weight_scale"] = s
+                    shard[f"{m}.weight_scale_2"] = s2.reshape(())
+                    shard[f"{m}.input_scale"] = torch.ones((), dtype=torch.float32)
+                else:
+                    shard[k] = w
+        save_file(shard, str(out / f"model-{i:05d}.safetensors"))
+        written += (out / f"model-{i:05d}.safetensors").stat().st_size
+        del shard
+    return {"seconds": time.perf_counter() - t, "out_bytes": written}
+
+
+def run_io(model_dir: Path, out: Path) -> dict:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from resserve_export import modelio
+
+    t = time.perf_counter()
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    written = 0
+    for i, f in enumerate(modelio.weight_files(model_dir)):
+        with safe_open(str(f), "pt") as h:
+            shard = {k: h.get_tensor(k) for k in h.keys()}
+        save_file(shard, str(out / f"model-{i:05d}.safetensors"))
+        written += (out / f"model-{i:05d}.safetensors").stat().st_size
+        del shard
+    return {"seconds": time.perf_counter() - t, "out_bytes": written}
+
+
+def child(args) -> None:
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model_dir, calib = BENCH / f"qwen3-4b-L{args.layers}", BENCH / f"calib-L{args.layers}"
+    if args.child == "ours":
+        r = run_ours(model_dir, calib, BENCH / "out-ours", args.ratio, args.device)
+    elif args.child == "modelopt":
+        r = run_modelopt(model_dir, BENCH / "out-modelopt")
+    else:
+        r = run_io(model_dir, BENCH / "out-io")
+    r["peak_rss_gb"] = _peak_rss_gb()
+    print("RESULT " + json.dumps(r))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--ratios", default="0,0.25")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--skip", default="", help="comma list of peers to skip: modelopt,io")
+    ap.add_argument("--child", choices=["ours", "modelopt", "io"], help=argparse.SUPPRESS)
+    ap.add_argument("--ratio", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+    sys.path.insert(0, str(ROOT))
+    model_dir, calib = BENCH / f"qwen3-4b-L{args.layers}", BENCH / f"calib-L{args.layers}"
+    t = time.perf_counter()
+    generate(model_dir, args.layers)
+    calibration(model_dir, calib)
+    src = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    print(f"source: {model_dir.name}, {src / 1e9:.2f} GB bf16 (ready in {time.perf_counter() - t:.0f} s)", flush=True)
+    runs = [("io", None), ("modelopt", None)] + [("ours", float(r)) for r in args.ratios.split(",")]
+    skip = set(filter(None, args.skip.split(",")))
+    results = {}
+    for kind, ratio in runs:
+        if kind in skip:
+            continue
+        cmd = [sys.executable, __file__, "--layers", str(args.layers), "--child", kind, "--device", args.device]
+        if ratio is not None:
+            cmd += ["--ratio", str(ratio)]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+        if p.returncode or not line:
+            print(p.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"{kind} failed")
+        r = json.loads(line[-1][7:])
+        label = kind if ratio is None else f"ours NVFP4 ρ={ratio:g}"
+        results[label] = r
+        print(f"{label}: {r['seconds']:.1f} s, {src / 1e9 / r['seconds']:.3f} GB/s, peak RSS {r['peak_rss_gb']:.2f} GB", flush=True)
+    print()
+    print("| run | seconds | GB/s (bf16 source) | peak RSS GB | output GB | vs ModelOpt | vs I/O floor |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for label, r in results.items():
+        vm = results.get("modelopt", {}).get("seconds")
+        vi = results.get("io", {}).get("seconds")
+        print(
+            f"| {label} | {r['seconds']:.1f} | {src / 1e9 / r['seconds']:.3f} | {r['peak_rss_gb']:.2f} | {r['out_bytes'] / 1e9:.2f} | "
+            f"{vm / r['seconds']:.2f}× faster | {r['seconds'] / vi:.2f}× slower |" if vm and vi else f"| {label} | {r['seconds']:.1f} | | | | | |"
+        )
+
+
+if __name__ == "__main__":
+    main()
