@@ -234,20 +234,25 @@ def load_ratios(
     fp = data.get("fingerprint")
     if fp is not None and model_fingerprint is not None and fp != model_fingerprint:
         raise UserError(f"plan {plan} was made for another model (fingerprint mismatch): plan again for this model")
-    by_members = {}
-    for e in data.get("groups", []):
-        by_members[tuple(e.get("modules", []))] = e.get("ratio")
+    per_module: dict[str, object] = {}
+    for e in data.get("groups", []) if isinstance(data.get("groups"), list) else []:
+        for m in e.get("modules", []) if isinstance(e, dict) else []:
+            per_module[m] = e.get("ratio")
     out = {}
     for g in groups:
-        if g.modules not in by_members:
-            raise UserError(f"plan {plan} has no ratio for {', '.join(g.modules)}: it was made for another model, plan again")
-        r = by_members[g.modules]
-        if r is None or float(r) not in RATIOS:
+        missing = [m for m in g.modules if m not in per_module]
+        if missing:
+            raise UserError(f"plan {plan} has no ratio for {missing[0]}: it was made for another model, plan again for this one")
+        rs = {per_module[m] for m in g.modules}
+        r = next(iter(rs))
+        if len(rs) > 1:
+            raise UserError(f"plan {plan} gives fused members {', '.join(g.modules)} different ratios: they share one input, plan again")
+        if not isinstance(r, (int, float)) or float(r) not in RATIOS:
             raise UserError(f"plan {plan} gives ratio {r} to {g.name}: allowed ratios are {', '.join(str(x) for x in RATIOS)}")
         out[g.name] = float(r)
-    extra = set(by_members) - {g.modules for g in groups}
+    extra = sorted(set(per_module) - {m for g in groups for m in g.modules})
     if extra:
-        raise UserError(f"plan {plan} names modules this model lacks ({', '.join(sorted(extra)[0])}): plan again for this model")
+        raise UserError(f"plan {plan} names {extra[0]}, which this model lacks: plan again for this model")
     prov = {k: data.get(k) for k in ("budget", "achieved_bits", "satisfied", "method") if k in data}
     return out, prov
 

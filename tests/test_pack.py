@@ -265,3 +265,16 @@ def test_pinned_byte_counts(tiny, tmp_path, fmt, ratio):
         "hf_quant_config": size("hf_quant_config.json"),
     }
     assert got == PINNED[(fmt, ratio)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (quantization on --device cuda)")
+@pytest.mark.parametrize("fmt,ratio", [("nvfp4", 0.25), ("mxfp4", 0.5)])
+def test_cuda_pack_is_byte_identical_to_cpu(tiny, tmp_path, fmt, ratio):
+    model, calib = tiny
+    a = pack(model, calib, tmp_path / "cpu", fmt, ratio=ratio, device="cpu", progress=False).out
+    b = pack(model, calib, tmp_path / "cuda", fmt, ratio=ratio, device="cuda", progress=False).out
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir())
+    for n in names:
+        assert (a / n).read_bytes() == (b / n).read_bytes(), n
