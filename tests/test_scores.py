@@ -1,0 +1,204 @@
+"""Sensitivity scores (SPEC §10): exact against the emulated linear, padding-blind, and on SmolLM2
+a budget plan built from them beats a uniform ratio at the same bits."""
+
+import math
+
+import pytest
+import torch
+
+from resserve_export import scores as S
+from resserve_export.emulate import EmulatedLinear, QuantizedWeight, quantized_matmul
+from resserve_export.groups import group_linears, linears_of
+from resserve_export.selection import mode_of
+
+torch.set_num_threads(2)
+RATIOS = (0.0, 0.125, 0.25, 0.5, 1.0)
+
+
+def tiny_model(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in n:
+                # A few outlier input channels, as real LLM activations have.
+                p.mul_(1.0 + 4.0 * (torch.rand(p.shape[1]) < 0.05))
+    return model
+
+
+def batch(seed=1, rows=3, length=12, pad=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (rows, length), generator=g)
+    mask = torch.ones_like(ids)
+    if pad:
+        ids = torch.cat([ids, torch.randint(0, 128, (rows, pad), generator=g)], dim=1)
+        mask = torch.cat([mask, torch.zeros(rows, pad, dtype=mask.dtype)], dim=1)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def own_stats(model, batches, groups):
+    """mean |x| and amax of every group's input over valid tokens (what calibrate stores)."""
+    acc = {}
+    hooks = []
+    valid = {}
+    for g in groups:
+        lin = model.get_submodule(g.modules[0])
+
+        def hook(mod, args, out, key=g.modules):
+            x = args[0].detach().float()[valid["m"]]
+            s, n, a = acc.get(key, (0.0, 0, torch.zeros(())))
+            acc[key] = (s + x.abs().sum(0).double(), n + x.shape[0], torch.maximum(a, x.abs().amax()))
+
+        hooks.append(lin.register_forward_hook(hook))
+    with torch.no_grad():
+        for b in batches:
+            valid["m"] = b["attention_mask"].bool()
+            model(**b)
+    for h in hooks:
+        h.remove()
+    out = {}
+    for g in groups:
+        s, n, a = acc[g.modules]
+        for m in g.modules:
+            out[m] = {"mean_abs": (s / n).float(), "amax": a.float()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = tiny_model()
+    groups = group_linears(linears_of(model))
+    batches = [batch(1), batch(2)]
+    stats = own_stats(model, batches, groups)
+    cands = S.build_candidates(model, groups, stats, RATIOS)
+    return model, groups, batches, stats, cands
+
+
+def test_groups_are_decisions(tiny):
+    model, groups, _, _, _ = tiny
+    assert [len(g.modules) for g in groups] == [3, 1, 2, 1] * 2  # q/k/v, o, gate/up, down
+
+
+def test_shared_path_is_bit_identical_to_emulated_linear(tiny):
+    model, groups, _, stats, cands = tiny
+    x = torch.randn(20, 64) * 3
+    x[:, 5] *= 20  # an outlier channel
+    for g in groups[:3]:
+        c = cands[g.modules]
+        prepared = c.prepare(x)
+        for i, name in enumerate(g.modules):
+            lin = model.get_submodule(name)
+            got = dict(c.member_outputs(prepared, i))
+            for r in RATIOS:
+                ref = quantized_matmul(x, c.qw[r][i], input_alpha=c.input_alpha, mode=mode_of(r))
+                assert torch.equal(got[r], ref), (name, r)
+                assert torch.equal(c.outputs(x, r, i), ref)
+                # The weights match a QuantizedWeight built from scratch with the group's α.
+                direct = QuantizedWeight(lin.weight.detach(), "nvfp4", ratio=r, mask=c.masks[r], weight_alpha=c.qw[r][i].base.global_scale)
+                assert torch.equal(direct.w, c.qw[r][i].w)
+                if direct.w_ext is not None:
+                    assert torch.equal(direct.w_ext, c.qw[r][i].w_ext)
+                if len(g.modules) == 1:  # single linears: also the EmulatedLinear module itself
+                    emu = EmulatedLinear(lin, "nvfp4", input_amax=stats[name]["amax"], ratio=r, mask=c.masks[r])
+                    assert torch.equal(emu(x), ref)
+
+
+def test_fused_members_share_alpha(tiny):
+    _, groups, _, _, cands = tiny
+    qkv = cands[groups[0].modules]
+    alphas = {float(q.base.global_scale) for q in qkv.qw[0.0]}
+    assert len(alphas) == 1
+
+
+def test_kl_fast_path_equals_full_forward(tiny, monkeypatch):
+    model, groups, batches, stats, cands = tiny
+    fast = S.compute_scores(model, batches, stats, groups, "kl", candidates=cands, show_progress=False)
+    monkeypatch.setattr(S, "_decoder_layers", lambda m: None)
+    slow = S.compute_scores(model, batches, stats, groups, "kl", candidates=cands, show_progress=False)
+    for a, b in zip(fast["groups"], slow["groups"]):
+        for k in a["scores"]:
+            assert math.isclose(a["scores"][k], b["scores"][k], rel_tol=1e-4, abs_tol=1e-9), (a["modules"], k)
+    assert fast["method"] == "kl" and fast["samples"] == 6 and fast["ratios"] == list(RATIOS)
+    assert all(set(g["scores"]) == {"0", "0.125", "0.25", "0.5", "1"} for g in fast["groups"])
+    assert all(v >= 0 for g in fast["groups"] for v in g["scores"].values())
+    # Quantizing does damage, and full compensation repairs part of it for most groups.
+    assert all(g["scores"]["0"] > 1e-6 for g in fast["groups"])
+    assert sum(g["scores"]["1"] < g["scores"]["0"] for g in fast["groups"]) >= 6
+
+
+@pytest.mark.parametrize("method", ["kl", "grad"])
+def test_padding_is_ignored(tiny, method):
+    model, groups, _, stats, cands = tiny
+    groups = [groups[0], groups[-1]]  # first and last layer: enough to see any leak, half the time
+    plain = S.compute_scores(model, [batch(3)], stats, groups, method, candidates=cands, show_progress=False)
+    padded = S.compute_scores(model, [batch(3, pad=5)], stats, groups, method, candidates=cands, show_progress=False)
+    for a, b in zip(plain["groups"], padded["groups"]):
+        for k in a["scores"]:
+            assert math.isclose(a["scores"][k], b["scores"][k], rel_tol=1e-4, abs_tol=1e-12), (a["modules"], k)
+
+
+def test_grad_scores_match_autograd_reference(tiny):
+    """Σ(∂L/∂Y ⊙ (Y_q − Y))² from retain_grad on each linear output, computed independently."""
+    model, groups, batches, stats, cands = tiny
+    got = S.compute_scores(model, batches, stats, groups, "grad", candidates=cands, show_progress=False)
+    ref = {g.modules: {r: 0.0 for r in RATIOS} for g in groups}
+    tokens = 0
+    for b in batches:
+        outs = {}
+        hooks = []
+        for g in groups:
+            for i, name in enumerate(g.modules):
+                def hook(mod, args, out, key=(g.modules, i)):
+                    out.retain_grad()
+                    outs[key] = (args[0].detach(), out)
+                hooks.append(model.get_submodule(name).register_forward_hook(hook))
+        logits = model(**b).logits
+        for h in hooks:
+            h.remove()
+        lp = torch.log_softmax(logits[:, :-1].float(), -1)
+        nll = -lp.gather(-1, b["input_ids"][:, 1:, None]).squeeze(-1)
+        ok = b["attention_mask"][:, 1:].bool()
+        tokens += int(ok.sum())
+        nll[ok].sum().backward()
+        model.zero_grad(set_to_none=True)
+        for (key, i), (x, y) in outs.items():
+            x2 = x.reshape(-1, x.shape[-1])
+            for r in RATIOS:
+                d = (cands[key].outputs(x2, r, i) - y.detach().reshape(-1, y.shape[-1]).float()) * y.grad.reshape(-1, y.shape[-1])
+                ref[key][r] += float((d * d).sum())
+    for g in got["groups"]:
+        for r in RATIOS:
+            want = ref[tuple(g["modules"])][r] / tokens
+            assert math.isclose(g["scores"][S.ratio_key(r)], want, rel_tol=1e-4), (g["modules"], r)
+    assert got["method"] == "grad"
+    assert all(p.requires_grad for p in model.parameters())  # restored
+
+
+def test_num_samples_takes_the_first_sequences(tiny):
+    model, groups, batches, stats, cands = tiny
+    groups = groups[-2:]
+    two = S.compute_scores(model, batches, stats, groups, "kl", num_samples=2, candidates=cands, show_progress=False)
+    first = {k: v[:2] for k, v in batches[0].items()}
+    ref = S.compute_scores(model, [first], stats, groups, "kl", candidates=cands, show_progress=False)
+    assert two["samples"] == 2
+    assert two["groups"] == ref["groups"]
+
+
+def test_errors(tiny):
+    model, groups, batches, stats, _ = tiny
+    with pytest.raises(ValueError, match="unknown score method"):
+        S.compute_scores(model, batches, stats, groups, "hessian", show_progress=False)
+    with pytest.raises(ValueError, match="no calibration stats"):
+        S.compute_scores(model, batches, {}, groups, "kl", show_progress=False)
