@@ -146,9 +146,13 @@ def bench_gpu(args) -> dict:
     model = qwen3_shaped(args.device)
     out = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "model": "random Qwen3-1.7B-shaped (bf16)" if SHAPE == QWEN3_1_7B else "tiny smoke model", "batch": args.batch, "seq": args.seq}
     full = random_batches(args.batches, args.batch, args.seq, SHAPE["vocab_size"])
-    out["no_padding"] = overhead(model, full, args.reps)
     padded = random_batches(args.batches, args.batch, args.seq, SHAPE["vocab_size"], pad_rows=args.batch // 2)
-    out["half_rows_padded"] = overhead(model, padded, args.reps)
+    default = cal.StatsCollector.gpu_reduction
+    for variant in (default, *[v for v in ("norm", "abs") if v != default]):
+        cal.StatsCollector.gpu_reduction = variant
+        out[f"no_padding[{variant}]"] = overhead(model, full, args.reps)
+        out[f"half_rows_padded[{variant}]"] = overhead(model, padded, args.reps)
+    cal.StatsCollector.gpu_reduction = default
     return out
 
 
