@@ -48,6 +48,11 @@ QWEN3_4B = {
 
 
 def _peak_rss_gb() -> float:
+    """This process's peak RSS (VmHWM). Not ru_maxrss: Linux carries the parent's RSS at fork
+    into a child's ru_maxrss across exec, which would charge the generator's memory to each run."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024 / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
@@ -118,11 +123,20 @@ def run_ours(model_dir: Path, calib: Path, out: Path, ratio: float, device: str)
     return {"seconds": time.perf_counter() - t, "out_bytes": res.bytes_written}
 
 
+def _save_durable(tensors: dict, path: Path) -> None:
+    """safetensors save + fsync: the same durability `pack` gives its files."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path))
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
 def _linear(name: str) -> bool:
     return name.endswith("_proj.weight")
 
 
-def run_modelopt(model_dir: Path, out: Path) -> dict:
+def run_modelopt(model_dir: Path, out: Path, device: str = "cpu") -> dict:
     import torch
     from modelopt.torch.quantization.qtensor import NVFP4QTensor
     from safetensors import safe_open
@@ -140,15 +154,15 @@ def run_modelopt(model_dir: Path, out: Path) -> dict:
             for k in h.keys():
                 w = h.get_tensor(k)
                 if _linear(k):
-                    q, s, s2 = NVFP4QTensor.quantize(w, 16)
+                    q, s, s2 = NVFP4QTensor.quantize(w.to(device), 16)
                     m = k[: -len(".weight")]
-                    shard[k] = q._quantized_data
-                    shard[f"{m}.weight_scale"] = s
-                    shard[f"{m}.weight_scale_2"] = s2.reshape(())
+                    shard[k] = q._quantized_data.cpu()
+                    shard[f"{m}.weight_scale"] = s.cpu()
+                    shard[f"{m}.weight_scale_2"] = s2.reshape(()).cpu()
                     shard[f"{m}.input_scale"] = torch.ones((), dtype=torch.float32)
                 else:
                     shard[k] = w
-        save_file(shard, str(out / f"model-{i:05d}.safetensors"))
+        _save_durable(shard, out / f"model-{i:05d}.safetensors")
         written += (out / f"model-{i:05d}.safetensors").stat().st_size
         del shard
     return {"seconds": time.perf_counter() - t, "out_bytes": written}
@@ -167,7 +181,7 @@ def run_io(model_dir: Path, out: Path) -> dict:
     for i, f in enumerate(modelio.weight_files(model_dir)):
         with safe_open(str(f), "pt") as h:
             shard = {k: h.get_tensor(k) for k in h.keys()}
-        save_file(shard, str(out / f"model-{i:05d}.safetensors"))
+        _save_durable(shard, out / f"model-{i:05d}.safetensors")
         written += (out / f"model-{i:05d}.safetensors").stat().st_size
         del shard
     return {"seconds": time.perf_counter() - t, "out_bytes": written}
@@ -181,7 +195,7 @@ def child(args) -> None:
     if args.child == "ours":
         r = run_ours(model_dir, calib, BENCH / "out-ours", args.ratio, args.device)
     elif args.child == "modelopt":
-        r = run_modelopt(model_dir, BENCH / "out-modelopt")
+        r = run_modelopt(model_dir, BENCH / "out-modelopt", "cuda" if args.device == "cuda" else "cpu")
     else:
         r = run_io(model_dir, BENCH / "out-io")
     r["peak_rss_gb"] = _peak_rss_gb()
@@ -225,16 +239,17 @@ def main() -> None:
         results[label] = r
         print(f"{label}: {r['seconds']:.1f} s, {src / 1e9 / r['seconds']:.3f} GB/s, peak RSS {r['peak_rss_gb']:.2f} GB", flush=True)
     print()
-    print("| run | seconds | GB/s (bf16 source) | peak RSS GB | output GB | vs ModelOpt | vs I/O floor |")
+    print("| run | seconds | GB/s (bf16 source) | peak RSS GB | output GB | ModelOpt time / this | this / I/O-floor time |")
     print("|---|---:|---:|---:|---:|---:|---:|")
+    vm = results.get("modelopt", {}).get("seconds")
+    vi = results.get("io", {}).get("seconds")
     for label, r in results.items():
-        vm = results.get("modelopt", {}).get("seconds")
-        vi = results.get("io", {}).get("seconds")
+        sec = r["seconds"]
+        peer_m = f"{vm / sec:.2f}× faster" if vm else "–"
+        peer_i = f"{sec / vi:.2f}× its time" if vi else "–"
         print(
-            f"| {label} | {r['seconds']:.1f} | {src / 1e9 / r['seconds']:.3f} | {r['peak_rss_gb']:.2f} | {r['out_bytes'] / 1e9:.2f} | "
-            f"{vm / r['seconds']:.2f}× faster | {r['seconds'] / vi:.2f}× slower |" if vm and vi else f"| {label} | {r['seconds']:.1f} | | | | | |"
+            f"| {label} | {sec:.1f} | {src / 1e9 / sec:.3f} | {r['peak_rss_gb']:.2f} | {r['out_bytes'] / 1e9:.2f} | {peer_m} | {peer_i} |"
         )
-
 
 if __name__ == "__main__":
     main()

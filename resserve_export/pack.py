@@ -458,18 +458,32 @@ def _progress(enabled: bool):
 
 
 def _stream(layout, source, stats, ratios, fmt, rounding, dev, mw, sw, progress) -> None:
+    """Produce every output tensor in layout order. The next group's weights are read by a
+    background thread while the current group is quantized (reads and kernels release the GIL),
+    so at most two groups' weights are in memory."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from . import formats, nvfp4
     from .kext import extend_weight
     from .selection import select_mask
 
     slow = float(os.environ.get(SLOW_ENV, "0") or 0)
-    total_bytes = sum(
-        source.entries[n].nbytes if kind == "copy" else sum(source.entries[f"{m}.weight"].nbytes for m in n.modules)
-        for kind, n in layout.items
-    )
-    with _progress(progress) as bar:
+
+    def group_bytes(g: Group) -> int:
+        return sum(source.entries[f"{m}.weight"].nbytes for m in g.modules)
+
+    def load(g: Group) -> dict[str, torch.Tensor] | None:
+        if group_bytes(g) > _GROUP_CACHE_BYTES:
+            return None  # too large to hold: _pack_group reads members one at a time
+        return {m: source.get(f"{m}.weight") for m in g.modules}
+
+    total_bytes = sum(source.entries[n].nbytes if kind == "copy" else group_bytes(n) for kind, n in layout.items)
+    group_at = [i for i, (kind, _) in enumerate(layout.items) if kind == "group"]
+    next_group = {a: b for a, b in zip(group_at, group_at[1:])}
+    with _progress(progress) as bar, ThreadPoolExecutor(1, thread_name_prefix="pack-read") as pool:
         task = bar.add_task("", total=total_bytes)
         n = len(layout.items)
+        pending = {group_at[0]: pool.submit(load, layout.items[group_at[0]][1])} if group_at else {}
         for i, (kind, item) in enumerate(layout.items):
             if kind == "copy":
                 bar.update(task, description=f"{i + 1}/{n} {item[-40:]}")
@@ -478,34 +492,36 @@ def _stream(layout, source, stats, ratios, fmt, rounding, dev, mw, sw, progress)
             else:
                 g: Group = item
                 bar.update(task, description=f"{i + 1}/{n} {g.modules[0][-40:]}")
-                _pack_group(g, source, stats, ratios[g.name], fmt, rounding, dev, mw, sw, formats, nvfp4, extend_weight, select_mask)
-                bar.advance(task, sum(source.entries[f"{m}.weight"].nbytes for m in g.modules))
+                weights = pending.pop(i).result()
+                if i in next_group:
+                    j = next_group[i]
+                    pending[j] = pool.submit(load, layout.items[j][1])
+                _pack_group(g, weights, source, stats, ratios[g.name], fmt, rounding, dev, mw, sw, formats, nvfp4, extend_weight, select_mask)
+                del weights
+                bar.advance(task, group_bytes(g))
             if slow:
                 time.sleep(slow)
 
 
-def _pack_group(g, source, stats, ratio, fmt, rounding, dev, mw, sw, formats, nvfp4, extend_weight, select_mask) -> None:
+def _pack_group(g, weights, source, stats, ratio, fmt, rounding, dev, mw, sw, formats, nvfp4, extend_weight, select_mask) -> None:
     names = quant_tensor_names(fmt)
     amax_x = torch.stack([stats[m][1] for m in g.modules]).max()
     mask = select_mask(stats[g.modules[0]][0], ratio) if ratio > 0 else None
+
+    def weight(m: str) -> torch.Tensor:
+        return weights[m] if weights is not None else source.get(f"{m}.weight")
+
     alpha = None
-    # Keep a small group's weights between the amax pass and quantization; re-read large ones.
-    keep = sum(source.entries[f"{m}.weight"].nbytes for m in g.modules) <= _GROUP_CACHE_BYTES
-    cache: dict[str, torch.Tensor] = {}
     if fmt == "nvfp4":
         # One weight_scale_2 for the fused group: the max over members of amax(W) / 2688.
         amax_w = torch.zeros((), dtype=torch.float32)
         for m in g.modules:
-            w = source.get(f"{m}.weight")
-            lo, hi = torch.aminmax(w)  # no |W| temporary
+            lo, hi = torch.aminmax(weight(m))  # no |W| temporary
             amax_w = torch.maximum(amax_w, torch.maximum(-lo.float(), hi.float()))
-            if keep:
-                cache[m] = w
         alpha = nvfp4.global_scale(amax_w).to(dev)
     input_scale = nvfp4.global_scale(amax_x).reshape(())
     for m in g.modules:
-        w = cache.pop(m, None)
-        w = (w if w is not None else source.get(f"{m}.weight")).to(dev)
+        w = weight(m).to(dev, non_blocking=True)
         q = formats.quantize(w, fmt, alpha=alpha, rounding=rounding)
         mw.write(f"{m}.{names[0]}", q.codes)
         mw.write(f"{m}.{names[1]}", q.scales)
