@@ -42,7 +42,12 @@ def _best(fn, n: int) -> float:
 def _commit() -> str:
     try:
         out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "resserve_export", "bench"], capture_output=True, text=True)
+        core = [f"resserve_export/{m}.py" for m in ("constants", "fp4", "nvfp4", "mxfp4", "formats", "qtensor")]
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--", *core, "bench/quantize.py"],
+            capture_output=True,
+            text=True,
+        )
         return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except OSError:
         return "unknown"
