@@ -366,8 +366,9 @@ def pack(
     fingerprint = modelio.fingerprint(model_dir)
     calib_meta, stats = load_calibration(Path(calib), fingerprint, groups)
     ratios, plan_prov = load_ratios(groups, ratio, Path(plan) if plan is not None else None, fingerprint)
-    # transformers ties input and output embeddings unless the config says otherwise.
-    tied = bool(cfg.get("tie_word_embeddings", True))
+    # Drop lm_head only when the config says explicitly that it is tied: an extra copy costs
+    # bytes, a missing one breaks the model.
+    tied = cfg.get("tie_word_embeddings") is True
     layout = build_layout(shapes, groups, ratios, fmt, tied)
     model_shards, side_shards = layout.shards(max_bytes)
 

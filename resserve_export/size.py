@@ -54,7 +54,8 @@ def shapes_from_config(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
     o_bias = bool(cfg.get("attention_bias", False)) and mt != "qwen2"
     mlp_bias = bool(cfg.get("mlp_bias", False))
     out: dict[str, tuple[str, tuple[int, ...]]] = {"model.embed_tokens.weight": (dt, (V, H)), "model.norm.weight": (dt, (H,))}
-    if not cfg.get("tie_word_embeddings", True):
+    # Llama, Mistral, Qwen2 and Qwen3 configs default to untied embeddings.
+    if not cfg.get("tie_word_embeddings", False):
         out["lm_head.weight"] = (dt, (V, H))
     for i in range(L):
         p = f"model.layers.{i}"
@@ -108,7 +109,7 @@ def estimate(
     shapes = shapes_from_config(cfg)
     groups = model_groups(shapes)
     ratios, _ = load_ratios(groups, ratio, Path(plan) if plan is not None else None, None)
-    layout = build_layout(shapes, groups, ratios, fmt, bool(cfg.get("tie_word_embeddings", True)))
+    layout = build_layout(shapes, groups, ratios, fmt, cfg.get("tie_word_embeddings") is True)
     max_bytes = parse_size(max_shard_size)
     model_shards, side_shards = layout.shards(max_bytes)
     classes = {"embeddings": 0, "norms & biases": 0, "quantized linears": 0, "extension": 0, "masks": 0}
