@@ -12,6 +12,11 @@ torch.set_num_threads(2)
 warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
 
 
+def pytest_configure(config):
+    # torch.jit deprecation noise raised inside ModelOpt / compressed-tensors imports, not ours.
+    config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
+
 @pytest.fixture
 def gen() -> torch.Generator:
     """A seeded CPU generator: every random tensor in a test is reproducible."""
