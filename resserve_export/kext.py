@@ -64,9 +64,10 @@ def extend_weight(
     if K_E == 0:
         return None
     if fmt == "nvfp4" and alpha is None:
+        from .formats import abs_max
         from .nvfp4 import global_scale
 
-        alpha = global_scale(weight.abs().amax())
+        alpha = global_scale(abs_max(weight))
     return quantize(_compact(weight, mask, K_E), fmt, alpha=alpha, rounding=rounding, backend=backend)
 
 

@@ -106,6 +106,18 @@ def test_all_zero_tensor_dequantizes_to_zero():
     assert torch.equal(formats.dequantize(q), torch.zeros(4, 32))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_abs_max_equals_abs_amax(dtype, gen):
+    x = torch.randn(33, 70, generator=gen).to(dtype)
+    assert bits(formats.abs_max(x)) == bits(x.abs().amax())
+    assert bits(formats.abs_max(-x.abs())) == bits(x.abs().amax())  # amax on the negative side
+    z = -torch.zeros(4, 16, dtype=dtype)
+    assert bits(formats.abs_max(z)) == bits(z.abs().amax())  # +0, not -0
+    x[3, 4] = float("nan")
+    assert torch.isnan(formats.abs_max(x))
+    assert formats.abs_max(torch.empty(0, 16, dtype=dtype)).item() == 0.0
+
+
 def test_nan_input_is_not_hidden():
     x = torch.randn(2, 16)
     x[0, 3] = float("nan")
