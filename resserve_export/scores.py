@@ -451,18 +451,25 @@ def compute_scores(
 def evaluate_kl(model: nn.Module, batches: list[dict], candidates: dict, ratios: dict[tuple[str, ...], float]) -> float:
     """Mean KL(p_ref ‖ p_q) per valid token when every group in `ratios` is quantized at its ratio
     at once (e.g. a whole plan): the end-to-end check a plan is judged by."""
+    return evaluate_kls(model, batches, candidates, [ratios])[0]
+
+
+def evaluate_kls(model: nn.Module, batches: list[dict], candidates: dict, plans: list[dict[tuple[str, ...], float]]) -> list[float]:
+    """`evaluate_kl` for several plans, sharing the unquantized reference pass."""
     batches = _take(batches, None, _device_of(model))
-    total, tokens = 0.0, 0
+    totals, tokens = [0.0] * len(plans), 0
     with torch.no_grad():
         for b in batches:
             ids, mask = b["input_ids"], b.get("attention_mask")
             valid = _valid(mask, ids)
             ref = torch.log_softmax(model(input_ids=ids, attention_mask=mask, use_cache=False).logits[valid].float(), dim=-1)
-            with quantized(model, candidates, ratios):
-                logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            total += _kl_sum(ref, logits, valid)
+            for k, ratios in enumerate(plans):
+                with quantized(model, candidates, ratios):
+                    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                totals[k] += _kl_sum(ref, logits, valid)
+                del logits
             tokens += int(valid.sum())
-    return total / max(tokens, 1)
+    return [t / max(tokens, 1) for t in totals]
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -496,4 +503,4 @@ def _finite(v: float, g: Group) -> float:
     return float(v)
 
 
-__all__ = ["METHODS", "DEFAULT_RATIOS", "Candidates", "build_candidates", "compute_scores", "evaluate_kl", "quantized", "ratio_key"]
+__all__ = ["METHODS", "DEFAULT_RATIOS", "Candidates", "build_candidates", "compute_scores", "evaluate_kl", "evaluate_kls", "quantized", "ratio_key"]

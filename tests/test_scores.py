@@ -202,3 +202,61 @@ def test_errors(tiny):
         S.compute_scores(model, batches, stats, groups, "hessian", show_progress=False)
     with pytest.raises(ValueError, match="no calibration stats"):
         S.compute_scores(model, batches, {}, groups, "kl", show_progress=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The real model. Kept within a few minutes on two busy CPU cores: 8 calibration and 8 held-out
+# sequences of 64 tokens, and the decision groups of 8 of the 30 decoder layers (the first and
+# last four, where sensitivity differs most); the other layers stay unquantized in every run.
+# Full-model figures are in bench/results/plan.md.
+
+SMOL_LAYERS = (0, 1, 2, 3, 26, 27, 28, 29)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from resserve_export import data, modelio
+    from resserve_export.calibrate import collect
+
+    model_dir = modelio.resolve_model(str(modelio.default_model()))
+    model = modelio.load_model(model_dir, dtype="bfloat16")
+    tok = modelio.load_tokenizer(model_dir)
+    pad = data.pad_id(tok)
+    calib = data.batches(data.make_samples(tok, data.load_documents("shakespeare"), 8, 64, 42), 4, pad)
+    held = data.batches(data.make_samples(tok, data.load_documents("shakespeare:eval"), 8, 64, 7), 4, pad)
+    groups = [g for g in group_linears(linears_of(model)) if int(g.modules[0].split(".")[2]) in SMOL_LAYERS]
+    stats, _ = collect(model, calib, groups)
+    cands = S.build_candidates(model, groups, stats, RATIOS)
+    return model, groups, calib, held, stats, cands
+
+
+@pytest.mark.slow
+def test_smollm2_budget_plan_beats_uniform(smollm2):
+    from resserve_export import plan as P
+
+    model, groups, calib, held, stats, cands = smollm2
+    scores = S.compute_scores(model, calib, stats, groups, "grad", candidates=cands, show_progress=False)
+    assert len(scores["groups"]) == 4 * len(SMOL_LAYERS)
+    # Full compensation is less damaging than plain FP4 for most groups.
+    better = sum(g["scores"]["1"] < g["scores"]["0"] for g in scores["groups"])
+    assert better >= 0.8 * len(scores["groups"])
+    plan = P.build_plan(scores, 5.0)
+    assert plan["achieved_bits"] <= 5.0
+    assert len({g["ratio"] for g in plan["groups"]}) > 1  # not the uniform plan in disguise
+    planned = {tuple(g["modules"]): g["ratio"] for g in plan["groups"]}
+    uniform = {tuple(g["modules"]): 0.25 for g in plan["groups"]}
+    kl_plan, kl_uniform, kl_plain = S.evaluate_kls(model, held, cands, [planned, uniform, {k: 0.0 for k in planned}])
+    print(f"held-out KL per token: plain {kl_plain:.5f}, uniform 0.25 {kl_uniform:.5f}, plan@5.0 {kl_plan:.5f}")
+    assert kl_plan < kl_uniform < kl_plain
+
+
+@pytest.mark.slow
+def test_smollm2_kl_scores(smollm2):
+    model, groups, calib, _, stats, cands = smollm2
+    # The last layer: each (group, ratio) reruns one decoder layer and the head (the fast path).
+    last = [g for g in groups if ".29." in g.modules[0]]
+    scores = S.compute_scores(model, calib[:1], stats, last, "kl", num_samples=2, candidates=cands, show_progress=False)
+    assert scores["samples"] == 2 and len(scores["groups"]) == 4
+    assert all(g["scores"]["0"] > 0 for g in scores["groups"])
+    better = sum(g["scores"]["1"] < g["scores"]["0"] for g in scores["groups"])
+    assert better >= 3, scores["groups"]
