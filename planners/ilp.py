@@ -8,7 +8,10 @@ answer; exact score ties are then broken by `canonicalize` (cheapest option).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
 import warnings
 
 from .problem import Infeasible, Problem, canonicalize, total_cost
@@ -34,6 +37,25 @@ def _backend(solver: str, time_limit: float | None):
             raise RuntimeError("the HiGHS solver needs the 'highspy' package: pip install highspy, or use --solver cbc")
         return pulp.HiGHS(msg=False, gapRel=0, gapAbs=0, threads=1, timeLimit=time_limit)
     raise ValueError(f"unknown ILP solver {solver!r}, available: ['cbc', 'highs']")
+
+
+@contextlib.contextmanager
+def _quiet_stdout(enabled: bool):
+    """HiGHS prints its banner from C++ on file descriptor 1 even with output off: silence it."""
+    if not enabled:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 1)
+    finally:
+        os.close(saved)
 
 
 def solve(problem: Problem, solver: str = "cbc", time_limit: float | None = None) -> list[int]:
@@ -62,7 +84,8 @@ def solve(problem: Problem, solver: str = "cbc", time_limit: float | None = None
     for l, row in enumerate(x):
         prob += pulp.lpSum(row) == 1, f"one_{l}"
     prob += pulp.lpSum(problem.costs[l][j] // g * x[l][j] for l in range(len(x)) for j in range(len(x[l]))) <= cap, "budget"
-    status = prob.solve(_backend(solver, time_limit))
+    with _quiet_stdout(solver == "highs"):
+        status = prob.solve(_backend(solver, time_limit))
     if pulp.LpStatus[status] == "Infeasible":
         raise Infeasible("the solver found no assignment within the budget")
     if pulp.LpStatus[status] != "Optimal":

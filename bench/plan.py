@@ -1,0 +1,173 @@
+"""Planner and scoring costs (issue 4, SPEC §10).
+
+1. Solve time for 400 groups × 5 ratios (target < 1 s) with CBC, HiGHS (when installed) and the
+   greedy baseline, on seeded random scores shaped like real ones (damage falls with the ratio,
+   group sizes of Qwen3-8B's linears), and the greedy objective's gap to the optimum.
+2. On SmolLM2-135M (the embedded default model): the cost of grad scoring as a ratio to one
+   calibration pass (`calibrate.collect`, the statistics forward) over the same batches (target
+   ≤ 3×), with the one-off weight quantization of the candidates reported apart; and the cost of
+   KL scoring, measured on a subset of groups and extrapolated per (group, ratio) pass.
+
+    python bench/plan.py                       # both parts, markdown on stdout
+    python bench/plan.py --part solve
+    python bench/plan.py --samples 8 --seq-len 128 --write   # also write bench/results/plan.md
+
+CPU timings on a shared machine are noisy: each figure is the median of `--repeat` runs, and the
+scoring ratio compares passes run back to back in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+RATIOS = (0.0, 0.125, 0.25, 0.5, 1.0)
+# (out, in) of Qwen3-8B's decision groups: q/k/v, o, gate/up, down.
+QWEN3_8B = [(4096 + 1024 + 1024, 4096), (4096, 4096), (2 * 12288, 4096), (4096, 12288)]
+
+
+def random_scores(groups: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    out = []
+    for l in range(groups):
+        n, k = QWEN3_8B[l % 4]
+        base = rng.lognormvariate(0, 1.0)
+        # Damage falls with the ratio at a group-specific rate, with noise.
+        rate = rng.uniform(0.2, 0.9)
+        vals = [base * (1 - rate * (r ** 0.7)) * rng.uniform(0.95, 1.05) for r in RATIOS]
+        out.append({"modules": [f"model.layers.{l // 4}.g{l % 4}"], "weight_count": n * k, "scores": {f"{r:g}": v for r, v in zip(RATIOS, vals)}})
+    return {"method": "synthetic", "samples": 0, "ratios": list(RATIOS), "groups": out}
+
+
+def bench_solve(repeat: int) -> list[str]:
+    from planners.ilp import available
+    from resserve_export.plan import build_plan
+
+    solvers = ["cbc"] + (["highs"] if available("highs") else []) + ["greedy"]
+    lines = [
+        "## Solve time: 400 groups × 5 ratios",
+        "",
+        f"Median of {repeat} runs, wall time of `plan.build_plan` (problem build + solve + checks).",
+        "",
+        "| budget | solver | time (s) | objective | gap to ILP |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    scores = random_scores(400, seed=0)
+    for budget in (4.5, 5.0, 6.0):
+        best = None
+        for solver in solvers:
+            times, obj = [], None
+            for _ in range(repeat):
+                t = time.perf_counter()
+                plan = build_plan(scores, budget, solver=solver)
+                times.append(time.perf_counter() - t)
+                obj = plan["objective"]
+                assert plan["achieved_bits"] <= budget
+            best = obj if best is None else best
+            gap = (obj - best) / best
+            lines.append(f"| {budget:g} | {solver} | {statistics.median(times):.3f} | {obj:.4f} | {gap:+.3%} |")
+    return lines
+
+
+def bench_scores(samples: int, seq_len: int, batch_size: int, kl_groups: int, repeat: int) -> list[str]:
+    import torch
+
+    from resserve_export import data, modelio
+    from resserve_export import scores as S
+    from resserve_export.calibrate import collect
+    from resserve_export.groups import group_linears, linears_of
+
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
+    model_dir = modelio.resolve_model(str(modelio.default_model()))
+    model = modelio.load_model(model_dir, dtype="bfloat16")
+    tok = modelio.load_tokenizer(model_dir)
+    batches = data.batches(data.make_samples(tok, data.load_documents("shakespeare"), samples, seq_len, 42), batch_size, data.pad_id(tok))
+    groups = group_linears(linears_of(model))
+    tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+
+    collect(model, batches[:1], groups)  # warm-up
+    calib = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        stats, _ = collect(model, batches, groups)
+        calib.append(time.perf_counter() - t)
+    t_calib = statistics.median(calib)
+
+    t = time.perf_counter()
+    cands = S.build_candidates(model, groups, stats, RATIOS)
+    t_build = time.perf_counter() - t
+
+    grad = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        S.compute_scores(model, batches, stats, groups, "grad", candidates=cands, show_progress=False)
+        grad.append(time.perf_counter() - t)
+    t_grad = statistics.median(grad)
+
+    # KL: the first and last layers' groups (reruns from layer 0 are the longest, from the last the shortest).
+    sub = groups[: kl_groups // 2] + groups[-(kl_groups - kl_groups // 2) :]
+    t = time.perf_counter()
+    S.compute_scores(model, batches, stats, sub, "kl", candidates=cands, show_progress=False)
+    t_kl_sub = time.perf_counter() - t
+    per_pass = t_kl_sub / (len(sub) * len(RATIOS))
+    t_kl_all = per_pass * len(groups) * len(RATIOS)
+
+    return [
+        "## Scoring cost on SmolLM2-135M (bf16, CPU)",
+        "",
+        f"{samples} calibration samples × ≤{seq_len} tokens ({tokens} valid tokens), batch {batch_size}, "
+        f"{len(groups)} decision groups × {len(RATIOS)} ratios, {torch.get_num_threads()} threads, median of {repeat}.",
+        "",
+        "| pass | time (s) | × calibration pass |",
+        "| --- | --- | --- |",
+        f"| calibration pass (`calibrate.collect`) | {t_calib:.2f} | 1.00 |",
+        f"| grad scores, all groups, all ratios (one forward + backward per batch) | {t_grad:.2f} | {t_grad / t_calib:.2f} |",
+        f"| one-off weight quantization of every candidate (independent of the data) | {t_build:.2f} | {t_build / t_calib:.2f} |",
+        f"| KL scores, {len(sub)} groups measured | {t_kl_sub:.2f} | {t_kl_sub / t_calib:.2f} |",
+        f"| KL scores, all groups (extrapolated: {per_pass:.2f} s per (group, ratio) pass) | {t_kl_all:.0f} | {t_kl_all / t_calib:.0f} |",
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--part", choices=["all", "solve", "scores"], default="all")
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--kl-groups", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=3, help="runs per solve figure")
+    ap.add_argument("--score-repeat", type=int, default=1, help="runs per scoring figure (slow on CPU)")
+    ap.add_argument("--write", action="store_true", help="write bench/results/plan.md")
+    args = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "planners", "resserve_export", "bench"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    lines = [
+        "# Planner benchmark (bench/plan.py)",
+        "",
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}{' (+ local changes)' if dirty else ''}, "
+        f"{os.cpu_count()} CPU cores, load average {load:.1f} at start.",
+        "",
+    ]
+    if args.part in ("all", "solve"):
+        lines += bench_solve(args.repeat) + [""]
+    if args.part in ("all", "scores"):
+        lines += bench_scores(args.samples, args.seq_len, args.batch_size, args.kl_groups, args.score_repeat) + [""]
+    text = "\n".join(lines)
+    print(text)
+    if args.write:
+        (ROOT / "bench" / "results" / "plan.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
