@@ -373,7 +373,10 @@ def pack(
     model_shards, side_shards = layout.shards(max_bytes)
 
     need = file_bytes(model_shards) + file_bytes(side_shards)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create {out.parent}: {e.strerror or e}; choose another --out") from None
     free = shutil.disk_usage(out.parent).free
     if free < need:
         raise UserError(f"not enough disk space in {out.parent}: the checkpoint needs {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
@@ -393,7 +396,10 @@ def pack(
     _clean_stale(out)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise UserError(f"cannot write in {out.parent}: {e.strerror or e}; choose another --out") from None
     mw = ShardedWriter(tmp, MODEL_PREFIX, model_shards)
     sw = ShardedWriter(tmp, SIDECAR_PREFIX, side_shards)
     try:
