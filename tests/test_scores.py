@@ -260,3 +260,15 @@ def test_smollm2_kl_scores(smollm2):
     assert all(g["scores"]["0"] > 0 for g in scores["groups"])
     better = sum(g["scores"]["1"] < g["scores"]["0"] for g in scores["groups"])
     assert better >= 3, scores["groups"]
+
+
+def test_mxfp4_candidates(tiny):
+    model, groups, batches, stats, _ = tiny
+    g = groups[3]  # down_proj, K = 128
+    c = S.build_candidates(model, [g], stats, RATIOS, fmt="mxfp4")[g.modules]
+    x = torch.randn(10, 128)
+    got = dict(c.member_outputs(c.prepare(x), 0))
+    for r in RATIOS:
+        assert torch.equal(got[r], quantized_matmul(x, c.qw[r][0], input_alpha=None, mode=mode_of(r)))
+    sc = S.compute_scores(model, batches[:1], stats, [g], "grad", fmt="mxfp4", candidates={g.modules: c}, show_progress=False)
+    assert sc["format"] == "mxfp4" and sc["groups"][0]["scores"]["0"] > 0
