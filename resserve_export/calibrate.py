@@ -34,6 +34,8 @@ SCORE_METHODS = ("none", "grad", "kl")
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 # Every quantized input dimension must hold whole MXFP4 blocks (32), which also covers NVFP4 (16).
 IN_FEATURES_MULTIPLE = MXFP4_BLOCK
+# CPU hook reduction chunk: 2**19 floats (2 MiB in float32) stay in a core's L2/L3.
+CPU_CHUNK_ELEMENTS = 1 << 19
 
 
 @dataclass
@@ -144,6 +146,8 @@ class StatsCollector:
         self._mask = None
         self._rows: dict = {}
         self._handles = []
+        self._cpu_buf: dict = {}
+        self._cpu_ones: dict = {}
         for gi, g in enumerate(groups):
             head = g.modules[0]
             if head not in modules:
@@ -173,16 +177,41 @@ class StatsCollector:
         self._valid_idx = None if self._all_valid else torch.nonzero(m.reshape(-1)).reshape(-1)
 
     def _rows_for(self, x):
-        """(index of valid rows or None, ones row for the token reduction) on x's device/dtype."""
+        """(index of valid rows or None, accumulation dtype) for x's device and dtype."""
         key = (x.device, x.dtype)
         r = self._rows.get(key)
         if r is None:
             torch = self._torch
             acc = torch.float64 if x.dtype == torch.float64 else torch.float32
             idx = None if self._all_valid else self._valid_idx.to(x.device)
-            ones = torch.ones(1, self._batch_tokens, dtype=acc, device=x.device)
-            r = self._rows[key] = (idx, ones, acc)
+            r = self._rows[key] = (idx, acc)
         return r
+
+    def _cpu_reduce(self, xf, acc):
+        """Σ|x| over rows and max |x| on CPU, in row chunks that stay in cache.
+
+        Each chunk is copied into a reused float buffer, made absolute in place, summed with a
+        GEMV and max-reduced: the activation is read from memory once, and no large temporary
+        is allocated (page faults of fresh buffers cost as much as the arithmetic).
+        """
+        torch = self._torch
+        t, k = xf.shape
+        rows = max(1, min(t, CPU_CHUNK_ELEMENTS // k))
+        buf = self._cpu_buf.get(acc)
+        if buf is None or buf.numel() < rows * k:
+            buf = self._cpu_buf[acc] = torch.empty(rows * k, dtype=acc)
+        ones = self._cpu_ones.get(acc)
+        if ones is None or ones.numel() < rows:
+            ones = self._cpu_ones[acc] = torch.ones(rows, dtype=acc)
+        s = torch.zeros(k, dtype=acc)
+        maxima = []
+        for i in range(0, t, rows):
+            n = min(rows, t - i)
+            a = buf[: n * k].view(n, k).copy_(xf[i : i + n]).abs_()
+            s.addmv_(a.t(), ones[:n])
+            maxima.append(a.amax())
+        m = maxima[0] if len(maxima) == 1 else torch.stack(maxima).amax()
+        return s, m
 
     def _make_hook(self, gi: int):
         torch = self._torch
@@ -200,16 +229,13 @@ class StatsCollector:
                     f"linear {name} sees input of shape {tuple(x.shape)}, not [batch, tokens, features] of the batch "
                     f"{self._shape}: padding cannot be excluded for it (mixture-of-experts layers are not supported yet)"
                 )
-            idx, ones, acc = self._rows_for(x)
+            idx, acc = self._rows_for(x)
             with torch.no_grad():
                 xf = x.detach().reshape(-1, x.shape[-1])
                 if idx is not None:
                     xf = xf.index_select(0, idx)
                 if xf.device.type == "cpu":
-                    # CPU: one float copy, then a GEMV is the fastest token reduction.
-                    a = xf.to(acc, copy=True).abs_()
-                    s = (ones @ a).reshape(-1)
-                    m = a.amax()
+                    s, m = self._cpu_reduce(xf, acc)
                 elif self.gpu_reduction == "norm":
                     # GPU: fused |x| + float32 reductions, no temporary (TF32-proof, unlike a GEMV).
                     s = torch.linalg.vector_norm(xf, 1, dim=0, dtype=acc)
