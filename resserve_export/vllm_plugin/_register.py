@@ -1,7 +1,8 @@
 """What the plugin registers with vLLM (imported only when vLLM is importable).
 
 - the CPU platform gets vLLM's own ``EmulationNvFp4LinearKernel`` for NVFP4 linears (it has no
-  NVFP4 kernel of its own) and our pure-torch :class:`CpuMxfp4LinearKernel` for MXFP4 linears
+  NVFP4 kernel of its own), preceded by a variant that dequantizes weights once at load
+  (:class:`.kernels.CachedEmulationNvFp4LinearKernel`, same arithmetic), and our pure-torch :class:`CpuMxfp4LinearKernel` for MXFP4 linears
   (vLLM's MXFP4 emulation needs ``amd-quark`` and CUDA-only kernels);
 - the ``resserve`` quantization method (:mod:`.method`), which takes over a checkpoint whose
   ``quantization_config`` has a ``resserve`` section unless the user names another method.
@@ -31,8 +32,10 @@ def register_all() -> None:
     from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
     from vllm.platforms import PlatformEnum
 
-    from .kernels import CpuMxfp4LinearKernel
+    from .kernels import CachedEmulationNvFp4LinearKernel, CpuMxfp4LinearKernel
 
+    # Tried in order: the cached variant first, vLLM's own emulation as the fallback.
+    register_linear_kernel(CachedEmulationNvFp4LinearKernel, PlatformEnum.CPU, "nvfp4")
     register_linear_kernel(EmulationNvFp4LinearKernel, PlatformEnum.CPU, "nvfp4")
     register_linear_kernel(CpuMxfp4LinearKernel, PlatformEnum.CPU, "mxfp4")
     if method_enabled():

@@ -1,4 +1,12 @@
-"""A pure-torch MXFP4 linear kernel for vLLM's CPU platform.
+"""CPU linear kernels for FP4 checkpoints in vLLM.
+
+NVFP4: :class:`CachedEmulationNvFp4LinearKernel` is vLLM's own ``EmulationNvFp4LinearKernel``
+with the weight dequantization hoisted to load time: vLLM's kernel dequantizes every weight on
+every call, which makes each decode step dequantize the whole model. The cached weight is computed
+by vLLM's own ``dequantize_to_dtype`` and the activation QDQ by its ``ref_nvfp4_quant_dequant``,
+so the result is bit-identical to the stock kernel, only faster.
+
+MXFP4: :class:`CpuMxfp4LinearKernel`, pure torch.
 
 vLLM's ``EmulationMxfp4LinearKernel`` dequantizes weights and quantizes activations through
 ``amd-quark`` kernels that exist only for CUDA devices. This one does the same arithmetic with
@@ -17,6 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn import Parameter
 from vllm.model_executor.kernels.linear.mxfp4.base import MxFp4LinearKernel, MxFp4LinearLayerConfig
+from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
+from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
+    dequantize_to_dtype,
+    ref_nvfp4_quant_dequant,
+)
 from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp4Dynamic
 from vllm.platforms import current_platform
 
@@ -87,3 +100,32 @@ class CpuMxfp4LinearKernel(MxFp4LinearKernel):
         if self.quantize_input:
             x = qdq_mxfp4(x, self.rounding).to(x.dtype)
         return F.linear(x, layer.weight.to(x.dtype), bias)
+
+
+class CachedEmulationNvFp4LinearKernel(EmulationNvFp4LinearKernel):
+    """vLLM's NVFP4 emulation (QDQ activation, dequantized weight, matmul in the model dtype)
+    with the weight dequantized once at load instead of on every call."""
+
+    NVFP4_GROUP = 16
+
+    @classmethod
+    def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
+        if not current_platform.is_cpu():
+            return False, "only for the CPU platform"
+        return True, None
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        super().process_weights_after_loading(layer)
+        dtype = getattr(layer, "params_dtype", torch.bfloat16)
+        w = dequantize_to_dtype(
+            layer.weight.data.view(torch.uint8), layer.weight_scale.data, layer.weight_global_scale,
+            dtype, self.NVFP4_GROUP, swizzle=False,
+        )
+        layer.register_buffer("resserve_w_dq", w.contiguous(), persistent=False)
+
+    def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x_dq = ref_nvfp4_quant_dequant(x, layer.input_global_scale_inv, block_size=self.NVFP4_GROUP)
+        out = torch.matmul(x_dq, layer.resserve_w_dq.to(x.dtype).t())
+        if bias is not None:
+            out = out + bias
+        return out

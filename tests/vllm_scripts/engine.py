@@ -1,0 +1,93 @@
+"""Run one checkpoint in the real vLLM engine (the vllm venv) and write what it produced as JSON.
+
+Usage: python engine.py JOB.json OUT.json, where JOB has
+  ckpt:        checkpoint directory
+  dtype:       "bfloat16" | "float32" | ...
+  quantization: optional method name forced on the engine (e.g. "modelopt_fp4")
+  stock_fp32:  serve a ModelOpt NVFP4 checkpoint in float32 through vLLM's own ModelOpt NVFP4
+               method: stock vLLM admits only bf16/fp16 activations for it, so this registers a
+               subclass that changes nothing but the admitted dtypes (same parameters, loaders
+               and kernel); compressed-tensors admits float32 already
+  generate:    list of prompts as token-id lists: greedy continuations of `max_tokens` tokens
+  score:       list of token-id lists: per position, the logprob of the actual next token and the
+               engine's top-`topk` logprobs (prompt logprobs)
+Prompts run one request at a time, so every engine step holds one request (a prefill of the whole
+prompt, then single-row decode steps).
+"""
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+STOCK_FP32 = "modelopt_fp4_admit_fp32"
+
+
+def register_stock_fp32() -> None:
+    import torch
+    from vllm.model_executor.layers.quantization import register_quantization_config
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+
+    @register_quantization_config(STOCK_FP32)
+    class ModelOptNvFp4AdmitFp32(ModelOptNvFp4Config):
+        def get_name(self):
+            return STOCK_FP32
+
+        def get_supported_act_dtypes(self):
+            return [torch.float32, *super().get_supported_act_dtypes()]
+
+        @classmethod
+        def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
+            return STOCK_FP32 if user_quant == STOCK_FP32 else None
+
+
+def main(job_path: str, out_path: str) -> None:
+    job = json.load(open(job_path))
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("RESSERVE_TEST_THREADS", "2")))
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.time()
+    kw = {}
+    if job.get("stock_fp32"):
+        register_stock_fp32()
+        kw["quantization"] = STOCK_FP32
+    if job.get("quantization"):
+        kw["quantization"] = job["quantization"]
+    llm = LLM(
+        model=job["ckpt"],
+        dtype=job.get("dtype", "bfloat16"),
+        max_model_len=job.get("max_model_len", 512),
+        enforce_eager=True,
+        seed=0,
+        max_num_seqs=1,
+        **kw,
+    )
+    out = {"load_s": time.time() - t0, "quantization": llm.llm_engine.model_config.quantization}
+    greedy = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 32), ignore_eos=True)
+    out["generate"] = []
+    for ids in job.get("generate", []):
+        res = llm.generate([TokensPrompt(prompt_token_ids=ids)], greedy, use_tqdm=False)[0]
+        out["generate"].append(list(res.outputs[0].token_ids))
+    topk = job.get("topk", 5)
+    scoring = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=topk)
+    out["score"] = []
+    for ids in job.get("score", []):
+        res = llm.generate([TokensPrompt(prompt_token_ids=ids)], scoring, use_tqdm=False)[0]
+        actual, top = [], []
+        for pos, lp in enumerate(res.prompt_logprobs[1:], start=1):
+            actual.append(lp[ids[pos]].logprob)
+            top.append({str(t): v.logprob for t, v in lp.items() if v.rank is not None and v.rank <= topk})
+        out["score"].append({"actual": actual, "top": top})
+    out["wall_s"] = time.time() - t0
+    json.dump(out, open(out_path, "w"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
