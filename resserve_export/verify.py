@@ -1,0 +1,475 @@
+"""`verify`: read a packed checkpoint back and measure what it costs and what compensation buys.
+
+For every quantized linear (SPEC §12): the checkpoint's FP4 weights (base and, for partial
+ratios, the stored K-Ext extension) are read back; real inputs are captured from the bf16 model
+on held-out text (padding excluded); each input is quantized the way the server does it — the
+fused CUDA kernel on a GPU, the PyTorch reference on the CPU — with the checkpoint's static input
+scale, and the linear output is compared with the FP32 product of the original bf16 operands
+(TF32 off). NMSE = Σ‖y − y_ref‖² / Σ‖y_ref‖², pooled over tokens, per layer and over all layers,
+for: plain W4A4, the checkpoint's own ratios (K-Ext), full compensation, and a sweep of partial
+ratios (selection from the calibration salience). Perplexity on the same text for bf16, plain
+W4A4, the checkpoint's ratios and full compensation uses `emulate.EmulatedLinear`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import kernel
+from .checkpoint import Checkpoint
+from .errors import UserError
+from .formats import quantize
+from .kext import extend_weight
+from .qtensor import FP4Tensor
+from .selection import PARTIAL_RATIOS, mode_of, select_mask
+
+SWEEP = PARTIAL_RATIOS
+DEFAULT_TEXT = "shakespeare:eval"
+
+
+# ----------------------------------------------------------------------------- capture
+
+
+class InputCapture:
+    """Forward pre-hooks keeping the valid-token rows of one member's input per fused group."""
+
+    def __init__(self, model, groups: list[tuple[str, ...]], max_tokens: int):
+        mods = dict(model.named_modules())
+        self.rows: dict[tuple[str, ...], list[torch.Tensor]] = {g: [] for g in groups}
+        self.count = {g: 0 for g in groups}
+        self.max_tokens = max_tokens
+        self._valid: torch.Tensor | None = None
+        self._handles = [mods[g[0]].register_forward_pre_hook(self._hook(g)) for g in groups]
+
+    def _hook(self, g):
+        def hook(_mod, args):
+            if self.count[g] >= self.max_tokens:
+                return
+            x = args[0]
+            x2 = x.reshape(-1, x.shape[-1])
+            if self._valid is not None:
+                x2 = x2[self._valid.to(x2.device)]
+            x2 = x2[: self.max_tokens - self.count[g]].detach().to("cpu", copy=True)
+            self.rows[g].append(x2)
+            self.count[g] += x2.shape[0]
+
+        return hook
+
+    def set_mask(self, attention_mask: torch.Tensor) -> None:
+        self._valid = attention_mask.reshape(-1).bool()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def inputs(self, g) -> torch.Tensor:
+        return torch.cat(self.rows[g])
+
+
+def _nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[float, int]:
+    """Summed next-token negative log-likelihood over valid positions, and their count."""
+    lg = logits[:, :-1].float()
+    labels = input_ids[:, 1:].to(lg.device)
+    valid = (attention_mask[:, 1:] & attention_mask[:, :-1]).bool().to(lg.device)
+    ce = torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), labels.reshape(-1), reduction="none")
+    return float(ce[valid.reshape(-1)].sum()), int(valid.sum())
+
+
+def _forward_nll(model, batches: list[dict], dev, on_batch: Callable | None = None, tick: Callable | None = None) -> float:
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for b in batches:
+            if on_batch is not None:
+                on_batch(b)
+            out = model(input_ids=b["input_ids"].to(dev), attention_mask=b["attention_mask"].to(dev), use_cache=False)
+            s, n = _nll(out.logits, b["input_ids"], b["attention_mask"])
+            total, count = total + s, count + n
+            if tick is not None:
+                tick()
+    if count == 0:
+        raise UserError("the evaluation text has no token pairs to score: pass longer --text or more --samples")
+    return math.exp(total / count)
+
+
+# ----------------------------------------------------------------------------- NMSE
+
+
+@contextmanager
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+class _Acc:
+    """Pooled squared error and reference energy."""
+
+    def __init__(self):
+        self.err, self.ref = 0.0, 0.0
+
+    def add(self, y: torch.Tensor, y_ref: torch.Tensor) -> None:
+        self.err += float(((y - y_ref) ** 2).sum(dtype=torch.float64))
+        self.ref += float((y_ref**2).sum(dtype=torch.float64))
+
+    @property
+    def nmse(self) -> float:
+        return self.err / self.ref if self.ref > 0 else float("nan")
+
+
+def group_nmse(
+    x: torch.Tensor,
+    weights: dict[str, torch.Tensor],
+    packed: dict,
+    fmt: str,
+    rounding: str,
+    salience: torch.Tensor | None,
+    sweep=SWEEP,
+    backend: str = "auto",
+    chunk: int = 4096,
+) -> dict[str, dict[str, _Acc]]:
+    """Per member: {mode: _Acc} for ``plain``, ``checkpoint``, ``full`` and each sweep ratio.
+
+    x: captured inputs ``[T, K]`` (model dtype) on the compute device; weights: original bf16
+    weights per member (CPU); packed: `PackedLinear` per member (one fused group: shared α_x,
+    ratio and mask). Activations go through `kernel.quantize_extend` / `quantize_full`.
+    """
+    dev = x.device
+    first = packed[next(iter(packed))]
+    alpha = first.input_scale.to(dev) if fmt == "nvfp4" else None
+    ratio, mode, mask = first.ratio, first.mode, first.mask
+    masks = {r: select_mask(salience, r) for r in sweep} if salience is not None else {}
+
+    # Dequantized weights per member: base, the checkpoint's extended weight, the sweep's.
+    w_eff: dict[str, dict[str, torch.Tensor]] = {}
+    for m, pk in packed.items():
+        base = pk.base
+        d = {"base": base.dequantize().to(dev)}
+        if mode == "k_ext":
+            d["checkpoint"] = FP4Tensor.cat([base, pk.ext]).dequantize().to(dev)
+        for r, mk in masks.items():
+            ext = extend_weight(weights[m], mk, r, fmt, rounding, alpha=base.global_scale)
+            d[r] = FP4Tensor.cat([base, ext]).dequantize().to(dev)
+        w_eff[m] = d
+
+    accs = {m: {k: _Acc() for k in ("plain", "checkpoint", "full", *masks)} for m in packed}
+    with _no_tf32(), torch.inference_mode():
+        for s in range(0, x.shape[0], chunk):
+            xc = x[s : s + chunk].contiguous()
+            xb, xr = kernel.quantize_full(xc, fmt, alpha=alpha, rounding=rounding, backend=backend)
+            xp = xb.dequantize()
+            xfull = xp + xr.dequantize()
+            xe = {}
+            if mode == "k_ext":
+                xe["checkpoint"] = kernel.quantize_extend(xc, mask, ratio, fmt, alpha, rounding, backend).dequantize()
+            for r, mk in masks.items():
+                xe[r] = kernel.quantize_extend(xc, mk, r, fmt, alpha, rounding, backend).dequantize()
+            xf = xc.float()
+            for m in packed:
+                wf = weights[m].to(dev).float()
+                y_ref = xf @ wf.T
+                wq = w_eff[m]["base"]
+                y_plain = xp @ wq.T
+                y_full = xfull @ wq.T
+                a = accs[m]
+                a["plain"].add(y_plain, y_ref)
+                a["full"].add(y_full, y_ref)
+                if mode == "k_ext":
+                    a["checkpoint"].add(xe["checkpoint"] @ w_eff[m]["checkpoint"].T, y_ref)
+                else:
+                    a["checkpoint"].add(y_full if mode == "full" else y_plain, y_ref)
+                for r in masks:
+                    a[r].add(xe[r] @ w_eff[m][r].T, y_ref)
+    return accs
+
+
+# ----------------------------------------------------------------------------- model swaps
+
+
+def _emulated_linear(lin, pk, fmt: str, rounding: str, mode: str, cache: dict):
+    """An `EmulatedLinear` for `lin` whose weights are the checkpoint's stored tensors.
+
+    `EmulatedLinear` quantizes the bf16 weight itself; here its `QuantizedWeight` is filled from
+    the stored base and extension instead (dequantized once, shared by every mode through
+    `cache`), so what is measured is what was packed.
+    """
+    from torch import nn
+
+    from .emulate import EmulatedLinear, QuantizedWeight
+    from .mxfp4 import ScaleRounding
+
+    dev = lin.weight.device
+    ratio = pk.ratio if mode == "checkpoint" else 0.0
+    if "w" not in cache:
+        cache["w"] = pk.base.dequantize().to(dev)
+    qw = QuantizedWeight.__new__(QuantizedWeight)
+    qw.fmt, qw.ratio, qw.rounding = fmt, ratio, ScaleRounding(rounding)
+    qw.mask = pk.mask if 0 < ratio < 1 else None
+    qw.base, qw.w, qw.ext, qw.w_ext = pk.base, cache["w"], None, None
+    if 0 < ratio < 1:
+        if "w_ext" not in cache:
+            cache["w_ext"] = pk.ext.dequantize().to(dev)
+        qw.ext, qw.w_ext = pk.ext, cache["w_ext"]
+    em = EmulatedLinear.__new__(EmulatedLinear)
+    nn.Module.__init__(em)
+    em.in_features, em.out_features = lin.in_features, lin.out_features
+    em.qw = qw
+    em.bias = None if lin.bias is None else lin.bias.detach().float()
+    em.input_alpha = pk.input_scale.to(dev) if fmt == "nvfp4" else None
+    em.mode = mode_of(ratio) if mode == "checkpoint" else mode
+    em.decode_rows = None
+    return em
+
+
+@contextmanager
+def emulated(model, ck: Checkpoint, mode: str, packed: dict | None = None, cache: dict | None = None):
+    """Replace every quantized linear by an emulated one (``plain``, ``checkpoint`` or ``full``)."""
+    packed = packed if packed is not None else {m: ck.read(m) for m in ck.modules}
+    cache = cache if cache is not None else {}
+    originals = {}
+    try:
+        for m in ck.modules:
+            parent_name, _, leaf = m.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            lin = getattr(parent, leaf)
+            em = _emulated_linear(lin, packed[m], ck.fmt, ck.rounding, mode, cache.setdefault(m, {}))
+            originals[m] = (parent, leaf, lin)
+            setattr(parent, leaf, em)
+        yield model
+    finally:
+        for parent, leaf, lin in originals.values():
+            setattr(parent, leaf, lin)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _weights_match(ck: Checkpoint, weights: dict[str, torch.Tensor], packed: dict) -> list[str]:
+    """Modules whose stored base quantization differs from re-quantizing the model's weight."""
+    bad = []
+    for m in ck.modules:
+        pk = packed[m]
+        q = quantize(weights[m], ck.fmt, alpha=pk.base.global_scale, rounding=ck.rounding, backend="reference")
+        if not (torch.equal(q.codes, pk.base.codes) and torch.equal(q.scales.view(torch.uint8), pk.base.scales.view(torch.uint8))):
+            bad.append(m)
+    return bad
+
+
+def _reduction(new: float, old: float) -> float:
+    return 100.0 * (old - new) / old if old > 0 else float("nan")
+
+
+def evaluate(
+    model,
+    ck: Checkpoint,
+    batches: list[dict],
+    salience: dict[str, torch.Tensor] | None,
+    *,
+    device: torch.device,
+    sweep=SWEEP,
+    max_tokens: int = 4096,
+    check_weights: bool = True,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict:
+    """The measurements of `verify` for a loaded model and an opened checkpoint (no files)."""
+    t0 = time.perf_counter()
+    fmt, rounding = ck.fmt, ck.rounding
+    groups = [tuple(g["members"]) for g in ck.groups]
+    mods = dict(model.named_modules())
+    missing = [m for g in groups for m in g if m not in mods]
+    if missing:
+        raise UserError(f"the model has no module {missing[0]} of the checkpoint: pass the --model the checkpoint was packed from")
+    weights = {m: mods[m].weight.detach().to("cpu") for g in groups for m in g}
+    for g in ck.groups:
+        for m in g["members"]:
+            if tuple(weights[m].shape) != (mods[m].out_features, g["K"]):
+                raise UserError(f"{m} has shape {tuple(weights[m].shape)} in the model but K={g['K']} in the checkpoint: pass the model it was packed from")
+    if salience is not None:
+        lacking = [g[0] for g in groups if g[0] not in salience]
+        if lacking:
+            raise UserError(f"the calibration salience has no entry for {lacking[0]}: pass the --calib the checkpoint was packed with")
+    packed_all = {m: ck.read(m) for m in ck.modules}
+    mismatched = _weights_match(ck, weights, packed_all) if check_weights else None
+    if progress:
+        progress("checked stored weights", 1, 1)
+
+    # 1. bf16 pass: perplexity and captured inputs.
+    cap = InputCapture(model, groups, max_tokens)
+    tick = (lambda: progress("bf16 forward + capture", 1, len(batches))) if progress else None
+    try:
+        ppl = {"bf16": _forward_nll(model, batches, device, on_batch=lambda b: cap.set_mask(b["attention_mask"]), tick=tick)}
+    finally:
+        cap.remove()
+
+    # 2. NMSE per fused group.
+    backend = kernel.backend_for(torch.empty(0, dtype=torch.bfloat16, device=device))
+    layers, totals = [], {}
+    for i, g in enumerate(groups):
+        x = cap.inputs(g).to(device)
+        packed = {m: packed_all[m] for m in g}
+        sal = salience.get(g[0]) if salience else None
+        accs = group_nmse(x, weights, packed, fmt, rounding, sal, sweep if sal is not None else ())
+        for m in g:
+            row = {"module": m, "ratio": packed[m].ratio, "mode": packed[m].mode, "tokens": int(x.shape[0])}
+            for k, a in accs[m].items():
+                key = k if isinstance(k, str) else f"ratio_{k}"
+                row[key] = a.nmse
+                tot = totals.setdefault(key, _Acc())
+                tot.err, tot.ref = tot.err + a.err, tot.ref + a.ref
+            layers.append(row)
+        if progress:
+            progress("linear-output NMSE", 1, len(groups))
+
+    # 3. Emulated perplexity.
+    cache: dict = {}
+    for mode in ("plain", "checkpoint", "full"):
+        with emulated(model, ck, mode, packed_all, cache):
+            tick = (lambda: progress(f"perplexity ({mode})", 1, len(batches))) if progress else None
+            ppl[mode] = _forward_nll(model, batches, device, tick=tick)
+
+    pooled = {k: a.nmse for k, a in totals.items()}
+    keys = [k for k in pooled if k not in ("plain", "checkpoint", "full")]
+    mean = {k: sum(r[k] for r in layers) / len(layers) for k in pooled}
+    chain = [pooled["plain"], *[pooled[f"ratio_{r}"] for r in sweep if f"ratio_{r}" in pooled], pooled["full"]]
+    return {
+        "format": fmt,
+        "mx_scale_rounding": rounding if fmt == "mxfp4" else None,
+        "activation_quantization": _backend_label(backend, device),
+        "device": str(device),
+        "tokens_scored": int(sum(int(b["attention_mask"].sum()) for b in batches)),
+        "nmse_tokens_per_layer": max_tokens,
+        "weights_match_reference": None if mismatched is None else not mismatched,
+        "weights_mismatched": mismatched or [],
+        "nmse": {
+            "pooled": pooled,
+            "mean_per_layer": mean,
+            "sweep_keys": keys,
+            "full_vs_plain_reduction_pct": _reduction(pooled["full"], pooled["plain"]),
+            "checkpoint_vs_plain_reduction_pct": _reduction(pooled["checkpoint"], pooled["plain"]),
+            "falls_as_ratio_rises": all(a > b for a, b in zip(chain, chain[1:])),
+        },
+        "perplexity": ppl,
+        "layers": layers,
+        "wall_time_s": round(time.perf_counter() - t0, 1),
+    }
+
+
+def _backend_label(backend: str, device) -> str:
+    if backend == "cuda":
+        name = torch.cuda.get_device_name(device)
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"fused CUDA kernel ({name}, sm_{major}{minor})"
+    return f"PyTorch reference ({torch.device(device).type})"
+
+
+def write_chart(report: dict, path: Path) -> None:
+    """Per-layer NMSE (log scale) for plain, the sweep, the checkpoint and full compensation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = report["layers"]
+    xs = list(range(len(layers)))
+    fig, ax = plt.subplots(figsize=(max(8, len(layers) * 0.06), 4.5))
+    series = [("plain", "plain W4A4")] + [(k, k.replace("ratio_", "K-Ext ρ=")) for k in report["nmse"]["sweep_keys"]]
+    series += [("full", "full compensation"), ("checkpoint", "checkpoint ratios")]
+    for key, label in series:
+        ax.plot(xs, [r[key] for r in layers], label=label, linewidth=1, marker="." if key == "checkpoint" else None)
+    ax.set_yscale("log")
+    ax.set_xlabel("quantized linear (model order)")
+    ax.set_ylabel("output NMSE vs FP32")
+    ax.set_title(f"{report.get('model', '')} {report['format'].upper()}: per-layer linear-output NMSE")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def verify(
+    ckpt: str | Path,
+    model: str,
+    *,
+    text: str | None = None,
+    samples: int = 8,
+    seq_len: int = 256,
+    batch_size: int = 4,
+    seed: int = 0,
+    calib: str | Path | None = None,
+    device: str = "auto",
+    max_tokens: int = 4096,
+    check_weights: bool = True,
+    out: str | Path | None = None,
+    overwrite: bool = False,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict:
+    """Run the whole verification (module docstring); write verify.json and nmse.png to `out`."""
+    from . import data, modelio
+    from .calibrate import check_out_dir, collect, load_stats, write_dir_atomic
+    from .groups import Group
+
+    if samples < 1:
+        raise UserError(f"--samples must be at least 1, got {samples}")
+    if out is not None:
+        check_out_dir(Path(out), overwrite)
+    ck = Checkpoint(ckpt)
+    model_dir = modelio.resolve_model(model)
+    prov = ck.resserve.get("provenance") or {}
+    fp = modelio.fingerprint(model_dir)
+    if prov.get("model_fingerprint") and prov["model_fingerprint"] != fp:
+        raise UserError(f"{ckpt} was packed from another model (fingerprint differs from {model}): pass the --model it was packed from")
+    d = modelio.parse_device(device)
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if d == "auto" else d)
+    net = modelio.load_model(model_dir).to(dev)
+    tok = modelio.load_tokenizer(model_dir)
+    spec = text or DEFAULT_TEXT
+    docs = data.load_documents(spec)
+    batches = data.batches(data.make_samples(tok, docs, samples, seq_len, seed), batch_size, data.pad_id(tok))
+
+    # Salience for the sweep's masks: the calibration directory, else a short calibration pass
+    # on the default calibration text (never the evaluation text).
+    if calib is not None:
+        salience = {m: v["mean_abs"] for m, v in load_stats(Path(calib)).items()}
+        selection = f"calibration directory {calib}"
+    else:
+        cal_docs = data.load_documents("shakespeare:calib")
+        cal = data.batches(data.make_samples(tok, cal_docs, 16, seq_len, seed + 1), batch_size, data.pad_id(tok))
+        groups = [Group(tuple(g["members"]), g["K"], ()) for g in ck.groups]
+        stats, _ = collect(net, cal, groups)
+        salience = {m: v["mean_abs"] for m, v in stats.items()}
+        selection = f"salience from 16 samples of the default calibration text (seq_len {seq_len})"
+
+    report = evaluate(
+        net, ck, batches, salience, device=dev, max_tokens=max_tokens, check_weights=check_weights, progress=progress
+    )
+    report = {
+        "checkpoint": str(ckpt),
+        "model": str(model),
+        "model_fingerprint": fp,
+        "text": spec,
+        "samples": samples,
+        "seq_len": seq_len,
+        "seed": seed,
+        "sweep_selection": selection,
+        **report,
+    }
+    if out is not None:
+
+        def write(tmp: Path) -> None:
+            (tmp / "verify.json").write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
+            write_chart(report, tmp / "nmse.png")
+
+        write_dir_atomic(Path(out), write, overwrite=overwrite)
+    return report
+
+
+__all__ = ["verify", "evaluate", "group_nmse", "emulated", "write_chart", "InputCapture", "SWEEP"]
