@@ -13,8 +13,9 @@ warnings.filterwarnings("ignore", message=".*is not tested with current version 
 
 
 def pytest_configure(config):
-    # torch.jit deprecation noise raised inside ModelOpt / compressed-tensors imports, not ours.
-    config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+    # Noise raised inside ModelOpt / compressed-tensors imports, not ours.
+    config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script.* is deprecated:DeprecationWarning")
+    config.addinivalue_line("filterwarnings", "ignore:.*is not tested with current version of modelopt:UserWarning")
 
 
 @pytest.fixture

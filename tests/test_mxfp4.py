@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+from compressed_tensors.quantization import preset_name_to_scheme
+from compressed_tensors.quantization.utils.helpers import calculate_qparams
+from modelopt.torch.quantization.qtensor import MXFP4QTensor
 from conftest import bits
 
 from resserve_export import formats, mxfp4
 from resserve_export.fp4 import unpack_fp4
 from resserve_export.mxfp4 import ScaleRounding
-
-MXFP4QTensor = pytest.importorskip("modelopt.torch.quantization.qtensor").MXFP4QTensor
 
 
 def _data(kind: str, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
@@ -159,11 +161,6 @@ def test_even_exponent_hand_cases(amax, e):
 
 
 def _ct_mxfp4(x: torch.Tensor):
-    pytest.importorskip("compressed_tensors")
-    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
-    from compressed_tensors.quantization import preset_name_to_scheme
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams
-
     scheme = preset_name_to_scheme("MXFP4", ["Linear"])
     groups = x.reshape(x.shape[0], -1, 32)
     scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+from compressed_tensors.quantization import preset_name_to_scheme
+from modelopt.torch.quantization.qtensor import NVFP4QTensor
 from conftest import bits
 
 from resserve_export import formats, nvfp4
 from resserve_export.fp4 import unpack_fp4
-
-NVFP4QTensor = pytest.importorskip("modelopt.torch.quantization.qtensor").NVFP4QTensor
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("reference", "compiled")
@@ -167,10 +168,6 @@ def test_bad_width_raises():
 
 
 def _ct_decompress(q):
-    ct = pytest.importorskip("compressed_tensors")
-    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
-    from compressed_tensors.quantization import preset_name_to_scheme
-
     scheme = preset_name_to_scheme("NVFP4", ["Linear"])
     # compressed-tensors stores the reciprocal of ModelOpt's α as `weight_global_scale`.
     state = {
@@ -178,7 +175,6 @@ def _ct_decompress(q):
         "weight_scale": q.scales,
         "weight_global_scale": (1.0 / q.global_scale).reshape(1),
     }
-    del ct
     return NVFP4PackedCompressor.decompress(state, scheme)["weight"]
 
 
