@@ -11,7 +11,7 @@ import pytest
 import torch
 from fixtures.tiny import make_calibration, make_model
 
-from resserve_export import modelio, verify
+from resserve_export import kernel, modelio, verify
 from resserve_export.checkpoint import Checkpoint, PackedLinear
 from resserve_export.cli import main
 from resserve_export.emulate import QuantizedWeight, quantized_matmul
@@ -163,3 +163,30 @@ def test_smollm2_direction_on_real_inputs():
         chain = [nmse["plain"], nmse[0.125], nmse[0.25], nmse[0.5], nmse["full"]]
         assert all(a > b for a, b in zip(chain, chain[1:])), (fmt, chain)
         assert nmse["full"] < 0.9 * nmse["plain"], (fmt, nmse)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not kernel.KERNEL_AVAILABLE, reason=f"needs a CUDA GPU and nvcc for the fused kernel: {kernel.KERNEL_UNAVAILABLE_REASON}")
+def test_gpu_run_uses_the_kernel_and_agrees_with_cpu(tiny_ckpt):
+    from resserve_export.calibrate import load_stats
+
+    model_dir, calib, ck_dir = tiny_ckpt
+    ck = Checkpoint(ck_dir)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    batches = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
+    sal = {m: v["mean_abs"] for m, v in load_stats(calib).items()}
+    net = modelio.load_model(model_dir).to("cuda")
+    rep = verify.evaluate(net, ck, batches, sal, device=torch.device("cuda"), check_weights=False)
+    assert rep["activation_quantization"].startswith("fused CUDA kernel")
+    assert 0 < rep["nmse"]["pooled"]["full"] < rep["nmse"]["pooled"]["plain"]
+    # Same inputs on both devices: the kernel quantizes bit-exactly like the CPU reference, only
+    # the FP32 matmul's summation order differs. (Captured model activations would differ: the
+    # bf16 forward pass itself is not bit-identical between CPU and GPU.)
+    gen = torch.Generator().manual_seed(3)
+    x, w = heavy_tailed(300, 512, gen), (torch.randn(64, 512, generator=gen) * 0.05).to(torch.bfloat16)
+    ma = x.float().abs().mean(0)
+    for fmt in ("nvfp4", "mxfp4"):
+        pk = packed_linear(w, fmt, 0.25, ma, x.float().abs().amax())
+        got = {d: verify.group_nmse(x.to(d), {"lin": w}, {"lin": pk}, fmt, "ceil", ma)["lin"] for d in ("cpu", "cuda")}
+        for k, a in got["cpu"].items():
+            assert got["cuda"][k].nmse == pytest.approx(a.nmse, rel=1e-5), (fmt, k)
