@@ -71,7 +71,8 @@ $(VLLM_VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 test-vllm: env data vllm-env
-	RESSERVE_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m pytest -q -m vllm tests/test_vllm*.py
+	RESSERVE_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m pytest -q -rA -m vllm \
+		--basetemp=.cache/pytest-vllm tests/test_vllm.py
 
 clean:
 	rm -rf $(DEMO) .pytest_cache .hypothesis
