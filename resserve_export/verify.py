@@ -253,10 +253,12 @@ def emulated(model, ck: Checkpoint, mode: str, packed: dict | None = None, cache
 # ----------------------------------------------------------------------------- driver
 
 
-def _weights_match(ck: Checkpoint, weights: dict[str, torch.Tensor], packed: dict) -> list[str]:
+def _weights_match(ck: Checkpoint, weights: dict[str, torch.Tensor], packed: dict, progress=None) -> list[str]:
     """Modules whose stored base quantization differs from re-quantizing the model's weight."""
     bad = []
     for m in ck.modules:
+        if progress:
+            progress("checking stored weights", 1, len(ck.modules))
         pk = packed[m]
         q = quantize(weights[m], ck.fmt, alpha=pk.base.global_scale, rounding=ck.rounding, backend="reference")
         if not (torch.equal(q.codes, pk.base.codes) and torch.equal(q.scales.view(torch.uint8), pk.base.scales.view(torch.uint8))):
@@ -298,9 +300,7 @@ def evaluate(
         if lacking:
             raise UserError(f"the calibration salience has no entry for {lacking[0]}: pass the --calib the checkpoint was packed with")
     packed_all = {m: ck.read(m) for m in ck.modules}
-    mismatched = _weights_match(ck, weights, packed_all) if check_weights else None
-    if progress:
-        progress("checked stored weights", 1, 1)
+    mismatched = _weights_match(ck, weights, packed_all, progress) if check_weights else None
 
     # 1. bf16 pass: perplexity and captured inputs.
     cap = InputCapture(model, groups, max_tokens)
