@@ -91,6 +91,20 @@ def test_reference_backend_is_extended_activation():
     assert torch.equal(base.codes, wb.codes) and torch.equal(res.scales, wr.scales)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_reference_backend_on_large_cpu_tensors_takes_the_compiled_path_bit_exactly(fmt):
+    gen = torch.Generator().manual_seed(5)
+    x = adversarial(520, 1024, torch.bfloat16, gen)  # over formats' compiled-path threshold
+    mask = random_mask(1024, 4, gen)
+    got = kernel.quantize_extend(x, mask, 0.5, fmt, backend="reference")
+    want = kext.extended_activation(x, mask, 0.5, fmt, alpha=kernel._alpha(x, None) if fmt == "nvfp4" else None)
+    assert torch.equal(got.codes, want.codes)
+    assert torch.equal(got.scales.view(torch.uint8), want.scales.view(torch.uint8))
+    b, r = kernel.quantize_full(x, fmt, backend="reference")
+    wb, wr = kext.full_residue(x, fmt, alpha=want.global_scale)
+    assert torch.equal(r.codes, wr.codes) and torch.equal(r.scales.view(torch.uint8), wr.scales.view(torch.uint8))
+
+
 def test_auto_uses_the_reference_for_cpu_tensors():
     assert kernel.backend_for(torch.zeros(4, 32, dtype=torch.bfloat16)) == "reference"
 
