@@ -336,6 +336,9 @@ def evaluate(
             tick = (lambda: progress(f"perplexity ({mode})", 1, len(batches))) if progress else None
             ppl[mode] = _forward_nll(model, batches, device, tick=tick)
 
+    from .checkpoint import natural_key
+
+    layers.sort(key=lambda r: natural_key(r["module"]))
     pooled = {k: a.nmse for k, a in totals.items()}
     keys = [k for k in pooled if k not in ("plain", "checkpoint", "full")]
     mean = {k: sum(r[k] for r in layers) / len(layers) for k in pooled}
@@ -346,7 +349,7 @@ def evaluate(
         "activation_quantization": _backend_label(backend, device),
         "device": str(device),
         "tokens_scored": int(sum(int(b["attention_mask"].sum()) for b in batches)),
-        "nmse_tokens_per_layer": max_tokens,
+        "nmse_tokens_per_layer": min(r["tokens"] for r in layers),
         "weights_match_reference": None if mismatched is None else not mismatched,
         "weights_mismatched": mismatched or [],
         "nmse": {
@@ -388,7 +391,7 @@ def write_chart(report: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("quantized linear (model order)")
     ax.set_ylabel("output NMSE vs FP32")
-    ax.set_title(f"{report.get('model', '')} {report['format'].upper()}: per-layer linear-output NMSE")
+    ax.set_title(f"{Path(str(report.get('model', ''))).name} {report['format'].upper()}: per-layer linear-output NMSE")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
