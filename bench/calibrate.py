@@ -137,7 +137,13 @@ def bench_cpu(args) -> dict:
     tok = modelio.load_tokenizer(model_dir)
     samples = data.make_samples(tok, data.load_documents("shakespeare"), args.batch * args.batches, args.seq, 42)
     batches = data.batches(samples, args.batch, data.pad_id(tok))
-    res = overhead(model, batches, args.reps)
+    res = {}
+    default = cal.CPU_CHUNK_ELEMENTS
+    # The default row-chunked reduction, and one chunk per hook (whole activation, reused buffer).
+    for name, chunk in (("chunked", default), ("one_chunk", 1 << 62)):
+        cal.CPU_CHUNK_ELEMENTS = chunk
+        res[name] = overhead(model, batches, args.reps)
+    cal.CPU_CHUNK_ELEMENTS = default
     res.update(device="cpu", threads=args.threads, model="SmolLM2-135M-Instruct (bf16)", batch=args.batch, seq=args.seq, batches=args.batches)
     return res
 
