@@ -67,6 +67,9 @@ def main(job_path: str, out_path: str) -> None:
         enforce_eager=True,
         seed=0,
         max_num_seqs=1,
+        # A prefix-cache hit would shorten a step to the uncached rows, and the resserve method
+        # picks its mode (K-Ext or full) from a step's row count: keep steps whole.
+        enable_prefix_caching=False,
         **kw,
     )
     out = {"load_s": time.time() - t0, "quantization": llm.llm_engine.model_config.quantization}
