@@ -403,7 +403,7 @@ def verify(
     model: str,
     *,
     text: str | None = None,
-    samples: int = 8,
+    samples: int = 4,
     seq_len: int = 256,
     batch_size: int = 4,
     seed: int = 0,

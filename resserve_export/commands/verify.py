@@ -32,7 +32,7 @@ def command(
     ckpt: Path = typer.Argument(..., help="checkpoint directory written by `pack`"),
     model: str = typer.Option(..., "--model", help="the model the checkpoint was packed from: HF dir, GGUF file, hub id or 'default'"),
     text: Optional[str] = typer.Option(None, "--text", help="held-out text: .txt/.jsonl/.parquet file, directory of .txt (default: the held-out plays)"),
-    samples: int = typer.Option(8, "--samples", help="evaluation sequences"),
+    samples: int = typer.Option(4, "--samples", help="evaluation sequences"),
     seq_len: int = typer.Option(256, "--seq-len", help="tokens per sequence"),
     calib: Optional[Path] = typer.Option(None, "--calib", help="calibration directory for the ratio sweep's selection"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
