@@ -83,6 +83,7 @@ class Candidates:
                 self.qw[r] = [_extended(b, lin.weight.detach(), r, self.masks[r]) for b, lin in zip(base, self.linears)]
             else:
                 self.qw[r] = base
+        self.backend = "auto"
         self.biases = [None if lin.bias is None else lin.bias.detach().float() for lin in self.linears]
 
     def outputs(self, x: torch.Tensor, r: float, i: int) -> torch.Tensor:
@@ -93,19 +94,22 @@ class Candidates:
     def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[float, torch.Tensor]]:
         """Per-input work shared by every member and ratio: X̂ (dequantized) and, per compensated
         ratio, the quantized-dequantized residue (all of it for full, the compacted selection for
-        partial ratios)."""
+        partial ratios).
+
+        Large inputs go through the compiled quantizer (`formats.quantize(backend="auto")`, bit-identical
+        to the reference that `quantized_matmul` calls; ``RESSERVE_BACKEND=reference`` forces it)."""
         fmt, rnd = self.fmt, self.rounding
-        xq = quantize(x, fmt, alpha=self.input_alpha, rounding=rnd, backend="reference")
+        xq = quantize(x, fmt, alpha=self.input_alpha, rounding=rnd, backend=self.backend)
         xd = dequantize(xq)
         res = residue(x, xq)
         extra: dict[float, torch.Tensor] = {}
         for r in self.ratios:
             mode = mode_of(r)
             if mode == "full":
-                extra[r] = dequantize(quantize(res, fmt, alpha=xq.global_scale, rounding=rnd, backend="reference"))
+                extra[r] = dequantize(quantize(res, fmt, alpha=xq.global_scale, rounding=rnd, backend=self.backend))
             elif mode == "k_ext":
                 rs = _compact(res, self.masks[r], self.qw[r][0].w_ext.shape[-1])
-                extra[r] = dequantize(quantize(rs, fmt, alpha=xq.global_scale, rounding=rnd, backend="reference"))
+                extra[r] = dequantize(quantize(rs, fmt, alpha=xq.global_scale, rounding=rnd, backend=self.backend))
         return xd, extra
 
     def member_outputs(self, prepared, i: int):

@@ -115,6 +115,16 @@ def test_shared_path_is_bit_identical_to_emulated_linear(tiny):
                     assert torch.equal(emu(x), ref)
 
 
+def test_compiled_activation_path_matches_reference(tiny):
+    # Inputs of ≥ 2^18 elements take the compiled quantizer in `prepare`: still bit-identical.
+    model, groups, _, _, cands = tiny
+    c = cands[groups[0].modules]
+    x = torch.randn(4200, 64) * 2
+    got = dict(c.member_outputs(c.prepare(x), 1))
+    for r in RATIOS:
+        assert torch.equal(got[r], quantized_matmul(x, c.qw[r][1], input_alpha=c.input_alpha, mode=mode_of(r))), r
+
+
 def test_fused_members_share_alpha(tiny):
     _, groups, _, _, cands = tiny
     qkv = cands[groups[0].modules]
