@@ -347,6 +347,7 @@ def evaluate(
         "format": fmt,
         "mx_scale_rounding": rounding if fmt == "mxfp4" else None,
         "activation_quantization": _backend_label(backend, device),
+        "perplexity_activation_quantization": f"PyTorch reference in emulate.EmulatedLinear ({torch.device(device).type})",
         "device": str(device),
         "tokens_scored": int(sum(int(b["attention_mask"].sum()) for b in batches)),
         "nmse_tokens_per_layer": min(r["tokens"] for r in layers),
