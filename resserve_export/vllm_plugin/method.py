@@ -113,6 +113,11 @@ class ResServeConfig(QuantizationConfig):
 
     def __init__(self, hf_quant_cfg: dict[str, Any]):
         super().__init__()
+        if not isinstance(hf_quant_cfg.get("resserve"), dict):
+            raise ValueError(
+                "resserve: this checkpoint's quantization_config has no resserve section; "
+                "write it with `resserve-export pack`, or serve it without --quantization resserve"
+            )
         self.section = hf_quant_cfg["resserve"]
         self.fmt = self.section["element_format"]
         if self.fmt not in _INNER:
