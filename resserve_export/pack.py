@@ -357,7 +357,8 @@ def pack(
         raise UserError(f"{out} already exists: pass --overwrite to replace it or choose another --out")
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} exists and is not a directory: remove it or choose another --out")
-    model_dir = modelio.resolve_model(model)
+    spec = str(model)
+    model_dir = modelio.resolve_model(str(modelio.default_model()) if spec in ("", "default") else spec)
     source = SafetensorsFiles(modelio.weight_files(model_dir))
     cfg = json.loads((model_dir / "config.json").read_text())
     if cfg.get("quantization_config"):

@@ -11,7 +11,7 @@ from ..constants import FORMATS
 
 
 def command(
-    model: str = typer.Argument(..., help="HF model directory, GGUF file or cached hub id"),
+    model: str = typer.Argument(..., help="HF model directory, GGUF file, cached hub id, or 'default' (embedded SmolLM2-135M-Instruct)"),
     calib: Path = typer.Option(..., "--calib", help="calibration directory written by `calibrate`"),
     out: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
     ratio: Optional[float] = typer.Option(None, "--ratio", help="one prefill ratio for every layer: 0, 0.125, 0.25, 0.5 or 1"),
