@@ -225,35 +225,16 @@ def load_ratios(
     if plan is None:
         r = check_ratio_arg(ratio)
         return {g.name: r for g in groups}, None
-    plan = Path(plan)
-    try:
-        data = json.loads(plan.read_text())
-    except FileNotFoundError:
-        raise UserError(f"plan {plan} does not exist: run `resserve-export plan` or pass --ratio") from None
-    except ValueError:
-        raise UserError(f"plan {plan} is not valid JSON: re-run plan") from None
-    fp = data.get("fingerprint")
-    if fp is not None and model_fingerprint is not None and fp != model_fingerprint:
-        raise UserError(f"plan {plan} was made for another model (fingerprint mismatch): plan again for this model")
-    per_module: dict[str, object] = {}
-    for e in data.get("groups", []) if isinstance(data.get("groups"), list) else []:
-        for m in e.get("modules", []) if isinstance(e, dict) else []:
-            per_module[m] = e.get("ratio")
+    from .plan import load_plan, module_ratios
+
+    data = load_plan(Path(plan), fingerprint=model_fingerprint, modules=[m for g in groups for m in g.modules])
+    per_module = module_ratios(data)
     out = {}
     for g in groups:
-        missing = [m for m in g.modules if m not in per_module]
-        if missing:
-            raise UserError(f"plan {plan} has no ratio for {missing[0]}: it was made for another model, plan again for this one")
         rs = {per_module[m] for m in g.modules}
-        r = next(iter(rs))
         if len(rs) > 1:
             raise UserError(f"plan {plan} gives fused members {', '.join(g.modules)} different ratios: they share one input, plan again")
-        if not isinstance(r, (int, float)) or float(r) not in RATIOS:
-            raise UserError(f"plan {plan} gives ratio {r} to {g.name}: allowed ratios are {', '.join(str(x) for x in RATIOS)}")
-        out[g.name] = float(r)
-    extra = sorted(set(per_module) - {m for g in groups for m in g.modules})
-    if extra:
-        raise UserError(f"plan {plan} names {extra[0]}, which this model lacks: plan again for this model")
+        out[g.name] = rs.pop()
     prov = {k: data.get(k) for k in ("budget", "achieved_bits", "satisfied", "method") if k in data}
     return out, prov
 

@@ -297,6 +297,8 @@ def load_plan(path: Path, *, fingerprint: str | None = None, modules: list[str] 
     if not path.exists():
         raise UserError(f"plan {path} does not exist: run `resserve-export plan --calib DIR --budget B` first")
     plan = _read_json(path, "plan")
+    if fingerprint is not None and plan.get("fingerprint") not in (None, fingerprint):
+        raise UserError(f"{path} was made for another model (fingerprint differs): re-run calibrate and plan on this model")
     groups = plan.get("groups")
     if not isinstance(groups, list) or not groups:
         raise UserError(f"{path} has no groups: regenerate it with `resserve-export plan`")
@@ -310,15 +312,13 @@ def load_plan(path: Path, *, fingerprint: str | None = None, modules: list[str] 
             if m in seen:
                 raise UserError(f"{path}: module {m} appears in two groups; regenerate the plan")
             seen[m] = float(g["ratio"])
-    if fingerprint is not None and plan.get("fingerprint") not in (None, fingerprint):
-        raise UserError(f"{path} was made for another model (fingerprint differs): re-run calibrate and plan on this model")
     if modules is not None:
         missing = sorted(set(modules) - set(seen))
         extra = sorted(set(seen) - set(modules))
         if missing or extra:
             what = f"no ratio for {missing[0]}" if missing else f"unknown module {extra[0]}"
             n = len(missing) + len(extra)
-            raise UserError(f"{path} does not match the model ({what}, {n} mismatches): re-run calibrate and plan on this model")
+            raise UserError(f"{path} was made for another model ({what}, {n} mismatches): re-run calibrate and plan on this model")
     return plan
 
 

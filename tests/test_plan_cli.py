@@ -158,7 +158,7 @@ def test_load_plan_rejects_other_model(calib, capsys):
     run_ok(["plan", "--calib", str(calib), "--budget", "5"], capsys)
     with pytest.raises(Exception, match="another model"):
         P.load_plan(calib / "plan.json", fingerprint="other")
-    with pytest.raises(Exception, match="does not match the model"):
+    with pytest.raises(Exception, match="made for another model"):
         P.load_plan(calib / "plan.json", modules=["model.layers.0.self_attn.q_proj"])
 
 
