@@ -46,7 +46,8 @@ def scale_exponent(block_amax: torch.Tensor, rounding: ScaleRounding = ScaleRoun
     rounding = ScaleRounding(rounding)
     amax = block_amax.float()
     if rounding is ScaleRounding.CEIL:
-        v = (amax / F4_E2M1_MAX).contiguous()
+        # A tensor divisor keeps CUDA from multiplying by a rounded reciprocal (see nvfp4.global_scale).
+        v = (amax / torch.tensor(F4_E2M1_MAX, dtype=torch.float32, device=amax.device)).contiguous()
         bits = v.view(torch.int32)
         field = (bits & _EXP_MASK) >> _MANT_BITS
         mant = bits & ((1 << _MANT_BITS) - 1)

@@ -17,7 +17,10 @@ from .fp4 import decode_e2m1, encode_e2m1_packed, unpack_fp4
 
 def global_scale(amax: torch.Tensor) -> torch.Tensor:
     """α = amax / 2688 as an FP32 scalar tensor (weights: tensor amax; activations: calibrated amax)."""
-    return torch.as_tensor(amax).float() / NVFP4_GLOBAL_DIVISOR
+    amax = torch.as_tensor(amax).float()
+    # Divide by a tensor, not a Python scalar: CUDA turns `t / scalar` into `t * (1/scalar)`,
+    # which can differ from the IEEE division in the last bit.
+    return amax / torch.tensor(NVFP4_GLOBAL_DIVISOR, dtype=torch.float32, device=amax.device)
 
 
 def block_scales(block_amax: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
