@@ -15,6 +15,8 @@ Output (the calibration dir, written atomically by :func:`write_dir_atomic`):
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 import platform
@@ -36,6 +38,36 @@ DTYPES = ("bfloat16", "float16", "float32", "float64")
 IN_FEATURES_MULTIPLE = MXFP4_BLOCK
 # CPU hook reduction chunk: 2**19 floats (2 MiB in float32) stay in a core's L2/L3.
 CPU_CHUNK_ELEMENTS = 1 << 19
+
+
+def _abs_sum_max(x):
+    a = x.float().abs()
+    return a.sum(0), a.amax()
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_cpu_reduce():
+    """Σ|x| (FP32, per column) and max|x| fused into one pass over the activation by inductor.
+
+    About 3x cheaper than the chunked eager reduction on CPU; None (eager fallback) when
+    compilation is unavailable or disabled with RESSERVE_BACKEND=reference.
+    """
+    import os
+
+    import torch
+
+    if os.environ.get("RESSERVE_BACKEND", "") == "reference":
+        return None
+    try:
+        fn = torch.compile(_abs_sum_max, dynamic=True)
+        probe = torch.arange(64, dtype=torch.float32).reshape(8, 8).to(torch.bfloat16) - 30
+        s, m = fn(probe)
+        ref = probe.float().abs()
+        if not (torch.equal(s, ref.sum(0)) and torch.equal(m, ref.amax())):
+            return None
+        return fn
+    except Exception:
+        return None
 
 
 @dataclass
@@ -234,7 +266,9 @@ class StatsCollector:
                 xf = x.detach().reshape(-1, x.shape[-1])
                 if idx is not None:
                     xf = xf.index_select(0, idx)
-                if xf.device.type == "cpu":
+                if xf.device.type == "cpu" and acc == torch.float32 and _compiled_cpu_reduce() is not None:
+                    s, m = _compiled_cpu_reduce()(xf)
+                elif xf.device.type == "cpu":
                     s, m = self._cpu_reduce(xf, acc)
                 elif self.gpu_reduction == "norm":
                     # GPU: fused |x| + float32 reductions, no temporary (TF32-proof, unlike a GEMV).
