@@ -13,7 +13,7 @@ def command(
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
 ) -> None:
     """Format, per-layer ratio and mode, bytes and the extension's share of a packed checkpoint."""
-    from rich.console import Console
+    from ..ui import console
     from rich.table import Table
 
     from ..inspect_ckpt import inspect_checkpoint
@@ -22,7 +22,7 @@ def command(
     if as_json:
         print(json.dumps(info, indent=2, sort_keys=True))
         return
-    con = Console()
+    con = console()
     b = info["bytes"]
     rnd = f", MX scale rounding {info['mx_scale_rounding']}" if info["format"] == "mxfp4" else ""
     con.print(

@@ -27,9 +27,8 @@ def command(
     chart: bool = typer.Option(True, "--chart/--no-chart", help="Write the per-layer ratio chart."),
 ) -> None:
     """Plan per-layer residue ratios for a budget from stored sensitivity scores."""
-    from rich.console import Console
-
     from .. import plan as P
+    from ..ui import console as make_console
     from planners import SOLVERS
 
     if solver not in SOLVERS:
@@ -49,7 +48,7 @@ def command(
     if out.exists() and out.is_dir():
         raise UserError(f"--out {out} is a directory: pass a file name such as {out / P.PLAN_FILE}")
     chart_path = P.write_plan(plan, out, with_chart=chart)
-    console = Console(stderr=False, highlight=False)
+    console = make_console(stderr=False, highlight=False)
     console.print(table(plan))
     n = sum(g["weight_count"] for g in plan["groups"])
     console.print(

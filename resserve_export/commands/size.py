@@ -23,7 +23,7 @@ def command(
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     """Bytes of the checkpoint `pack` would write, per tensor class and in total, from config.json alone."""
-    from rich.console import Console
+    from ..ui import console
     from rich.table import Table
 
     from ..size import estimate, load_config, other_files_bytes
@@ -44,4 +44,4 @@ def command(
     for name, b in rep.classes.items():
         t.add_row(name, f"{b:,}", f"{b / 2**30:.4f}", f"{100 * b / rep.total:.2f}%")
     t.add_row("[bold]total[/]", f"[bold]{rep.total:,}[/]", f"[bold]{rep.total / 2**30:.3f}[/]", "100.00%")
-    Console().print(t)
+    console().print(t)

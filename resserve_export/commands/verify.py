@@ -45,6 +45,7 @@ def command(
     from rich.console import Console
     from rich.table import Table
 
+    from ..ui import console
     from ..verify import verify
 
     err = Console(stderr=True)
@@ -53,7 +54,7 @@ def command(
             ckpt, model, text=text, samples=samples, seq_len=seq_len, calib=calib, device=device,
             max_tokens=max_tokens, check_weights=check_weights, out=out, overwrite=overwrite, progress=tick,
         )
-    con = Console()
+    con = console()
     n = rep["nmse"]
     t = Table(title=f"linear-output NMSE vs FP32, pooled over {len(rep['layers'])} linears ({rep['format'].upper()})")
     t.add_column("activations")
