@@ -49,7 +49,8 @@ def kernels_dir() -> Path | None:
     """Directory holding the CUDA sources: ``$RESSERVE_KERNELS_DIR`` or ``<repo>/kernels``."""
     env = os.environ.get("RESSERVE_KERNELS_DIR")
     candidates = [Path(env)] if env else []
-    candidates.append(Path(__file__).resolve().parent.parent / "kernels")
+    candidates.append(Path(__file__).resolve().parent.parent / "kernels")  # a source checkout
+    candidates.append(Path(__file__).resolve().parent / "_kernels")  # an installed wheel
     for d in candidates:
         if all((d / s).is_file() for s in _SOURCES):
             return d
