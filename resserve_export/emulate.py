@@ -20,6 +20,7 @@ from .formats import dequantize, quantize
 from .kext import _compact, ext_width, extend_weight, residue
 from .mxfp4 import ScaleRounding
 from .nvfp4 import global_scale
+from .qtensor import FP4Tensor
 from .selection import check_ratio, mode_of
 
 
@@ -51,6 +52,31 @@ class QuantizedWeight:
             self.w_ext = dequantize(self.ext)
 
 
+def residue_operand(
+    res: torch.Tensor,
+    xq: FP4Tensor,
+    mode: str,
+    *,
+    mask: torch.Tensor | None = None,
+    width: int = 0,
+    rounding: ScaleRounding | str = ScaleRounding.CEIL,
+    backend: str = "reference",
+) -> torch.Tensor:
+    """The dequantized residue operand of a compensated product, with the base α of `xq`:
+    R̂ for ``full``, ``[R̂_S | 0]`` of the extension's `width` for ``k_ext``."""
+    src = res if mode == "full" else _compact(res, mask, width)
+    return dequantize(quantize(src, xq.fmt, alpha=xq.global_scale, rounding=rounding, backend=backend))
+
+
+def residue_weight(qw: QuantizedWeight, mode: str) -> torch.Tensor:
+    """The weight the residue operand multiplies: Ŵ for ``full``, the extension Ŵ_S for ``k_ext``."""
+    if mode == "full":
+        return qw.w
+    if qw.w_ext is None:
+        raise ValueError("k_ext needs a partial ratio with an extension")
+    return qw.w_ext
+
+
 def quantized_matmul(
     x: torch.Tensor,
     qw: QuantizedWeight,
@@ -64,21 +90,13 @@ def quantized_matmul(
     extension (a partial ratio).
     """
     mode = mode or mode_of(qw.ratio)
-    fmt, rnd = qw.fmt, qw.rounding
-    xq = quantize(x, fmt, alpha=input_alpha, rounding=rnd, backend="reference")
-    xd = dequantize(xq)
-    y = xd @ qw.w.T
+    xq = quantize(x, qw.fmt, alpha=input_alpha, rounding=qw.rounding, backend="reference")
+    y = dequantize(xq) @ qw.w.T
     if mode == "plain":
         return y
+    w_res = residue_weight(qw, mode)
     r = residue(x, xq)
-    if mode == "full":
-        rq = quantize(r, fmt, alpha=xq.global_scale, rounding=rnd, backend="reference")
-        return y + dequantize(rq) @ qw.w.T
-    if qw.w_ext is None:
-        raise ValueError("k_ext needs a partial ratio with an extension")
-    rs = _compact(r, qw.mask, qw.w_ext.shape[-1])
-    rsq = quantize(rs, fmt, alpha=xq.global_scale, rounding=rnd, backend="reference")
-    return y + dequantize(rsq) @ qw.w_ext.T
+    return y + residue_operand(r, xq, mode, mask=qw.mask, width=w_res.shape[-1], rounding=qw.rounding) @ w_res.T
 
 
 class EmulatedLinear(nn.Module):

@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from .constants import RATIOS
-from .emulate import QuantizedWeight, quantized_matmul
+from .emulate import QuantizedWeight, quantized_matmul, residue_operand, residue_weight
 from .formats import dequantize, quantize
-from .kext import _compact, extend_weight, residue
+from .kext import extend_weight, residue
 from .groups import Group
 from .mxfp4 import ScaleRounding
 from .nvfp4 import global_scale
@@ -98,18 +98,17 @@ class Candidates:
 
         Large inputs go through the compiled quantizer (`formats.quantize(backend="auto")`, bit-identical
         to the reference that `quantized_matmul` calls; ``RESSERVE_BACKEND=reference`` forces it)."""
-        fmt, rnd = self.fmt, self.rounding
-        xq = quantize(x, fmt, alpha=self.input_alpha, rounding=rnd, backend=self.backend)
+        xq = quantize(x, self.fmt, alpha=self.input_alpha, rounding=self.rounding, backend=self.backend)
         xd = dequantize(xq)
         res = residue(x, xq)
         extra: dict[float, torch.Tensor] = {}
         for r in self.ratios:
             mode = mode_of(r)
-            if mode == "full":
-                extra[r] = dequantize(quantize(res, fmt, alpha=xq.global_scale, rounding=rnd, backend=self.backend))
-            elif mode == "k_ext":
-                rs = _compact(res, self.masks[r], self.qw[r][0].w_ext.shape[-1])
-                extra[r] = dequantize(quantize(rs, fmt, alpha=xq.global_scale, rounding=rnd, backend=self.backend))
+            if mode != "plain":
+                width = residue_weight(self.qw[r][0], mode).shape[-1]
+                extra[r] = residue_operand(
+                    res, xq, mode, mask=self.masks[r], width=width, rounding=self.rounding, backend=self.backend
+                )
         return xd, extra
 
     def member_outputs(self, prepared, i: int):
@@ -121,12 +120,7 @@ class Candidates:
         base = xd @ w.T
         for r in self.ratios:
             mode = mode_of(r)
-            if mode == "plain":
-                y = base
-            elif mode == "full":
-                y = base + extra[r] @ w.T
-            else:
-                y = base + extra[r] @ self.qw[r][i].w_ext.T
+            y = base if mode == "plain" else base + extra[r] @ residue_weight(self.qw[r][i], mode).T
             yield r, (y if self.biases[i] is None else y + self.biases[i])
 
     @contextmanager
