@@ -15,6 +15,12 @@ Two arithmetics:
   multiplies by reciprocals of the inverse tensor scale, see :func:`vllm_nvfp4_qdq`), which
   changes a code now and then, so this arithmetic reproduces that order too.
 
+Attention: ``hf`` (default) keeps the HF model's rotary embedding and attention; ``vllm-cpu``
+replaces them by the arithmetic of vLLM's CPU kernels (:mod:`.cpu_attention`, FP32 models only),
+the only non-linear ops in which that engine and the HF model differ at FP32. With both
+``vllm`` arithmetic and ``vllm-cpu`` attention the reference computes, bit for bit, what a stock
+FP32 vLLM CPU engine computes for a plain checkpoint.
+
 Imports neither vLLM nor anything heavy at module import time.
 """
 
@@ -33,6 +39,7 @@ from ..nvfp4 import global_scale
 from ..selection import select_mask
 
 ARITHMETICS = ("fp32", "vllm")
+ATTENTIONS = ("hf", "vllm-cpu")
 
 
 def _reciprocal(x: torch.Tensor) -> torch.Tensor:
@@ -92,12 +99,16 @@ def emulate_model(
     rounding: str = "ceil",
     arithmetic: str = "fp32",
     decode_rows: int | None = None,
+    attention: str = "hf",
 ) -> nn.Module:
-    """Replace every quantized linear of `model` in place; `ratios` is one ρ or ``{group name: ρ}``."""
+    """Replace every quantized linear of `model` in place; `ratios` is one ρ or ``{group name: ρ}``;
+    ``attention="vllm-cpu"`` also swaps in the CPU engine's rotary / attention arithmetic."""
     from ..groups import group_linears, linears_of
 
     if arithmetic not in ARITHMETICS:
         raise ValueError(f"unknown arithmetic {arithmetic!r}, choose one of {list(ARITHMETICS)}")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"unknown attention {attention!r}, choose one of {list(ATTENTIONS)}")
     modules = dict(model.named_modules())
     for g in group_linears(linears_of(model)):
         ratio = ratios if isinstance(ratios, (int, float)) else ratios[g.name]
@@ -116,4 +127,8 @@ def emulate_model(
             )
             parent, _, leaf = m.rpartition(".")
             setattr(modules[parent] if parent else model, leaf, new)
+    if attention == "vllm-cpu":
+        from .cpu_attention import use_cpu_engine_attention
+
+        use_cpu_engine_attention(model)
     return model

@@ -1,0 +1,167 @@
+"""The arithmetic of vLLM's CPU rotary embedding and attention kernels, in plain PyTorch (FP32).
+
+An FP4 reference follows an engine token for token only if every activation that reaches a
+quantizer is bit-identical: one last-bit difference can move a value across an E2M1 / E4M3
+rounding boundary, and the changed code then perturbs every later token. Compared op by op at
+FP32 (the same inputs fed to both), vLLM 0.32's CPU engine and the HF model agree exactly in the
+embedding, RMSNorm (residual add included), SiLU-and-mul, the linears (vLLM's fused q|k|v and
+gate|up products equal the separate ones bit for bit) and the final norm; they differ in two places
+only, which this module reproduces:
+
+- **Rotary embedding** (vLLM's ``rotary_embedding`` CPU op, neox style). For halves ``x1, x2``
+  and the angle's ``cos, sin``: ``x1·cos − x2·sin`` and ``x2·cos + x1·sin`` where the compiler has
+  fused the *second* product into the addition (one rounding for ``a·b + c``), so the result is
+  ``fma(−x2, sin, x1·cos)`` and ``fma(x1, sin, x2·cos)``. The angles are the HF model's own
+  (``position · inv_freq`` in FP32, then cos / sin), which equal vLLM's cache.
+- **Attention** (vLLM's ``cpu_attention_with_kv_cache``, the AVX-512 "VEC" path, one KV tile, no
+  KV split). Per query row and head, with ``s`` the softmax scale:
+  logits ``l_t = fma(q_{63}·s, k_{t,63}, … fma(q_1·s, k_{t,1}, q_0·s·k_{t,0}))``, head dimension in
+  order; causal mask; ``m = max_t l_t``; ``p_t = exp~(l_t − m)`` with the kernel's polynomial
+  exponential (:func:`fast_exp`); the sum over ``t`` in 16 lanes (lane ``j`` adds
+  ``p_j, p_{j+16}, …`` in order), the lanes folded as a halving tree (:func:`lane_sum`); the
+  output ``o_d = fma(p_T, v_{T,d}, … fma(p_0, v_{0,d}, 0))``, tokens in order (the KV range
+  padded to a multiple of 32 with masked, zero-weight rows); last, ``o_d · float(1 / double(sum))``.
+
+These hold for the kernel vLLM 0.32's CPU wheel runs on an x86-64 CPU with AVX-512 in an FP32
+engine, for contexts that fit one KV tile (hundreds of tokens; the tile size follows the L2 cache)
+and with the KV split off (``VLLM_CPU_ATTN_SPLIT_KV=0``; short decode steps are not split at two
+threads either). They were established by feeding the engine's recorded inputs of every rotary
+and attention call of a generation through these functions: equal in every bit.
+
+The fused multiply-add is computed exactly: the FP32 product is exact in FP64, the sum is rounded
+to FP64 by round-to-odd (TwoSum gives its error) and then once to FP32, which is the correctly
+rounded ``a·b + c``.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+from torch import nn
+
+
+def _f32(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | float) -> torch.Tensor:
+    """FP32 ``a·b + c`` with a single rounding (broadcasting)."""
+    p = a.double() * b.double()  # exact: 24 + 24 significant bits
+    c = torch.as_tensor(c, dtype=torch.float64)
+    s = p + c
+    # TwoSum: s + err == p + c exactly.
+    bv = s - p
+    err = (p - (s - bv)) + (c - bv)
+    # Round to odd: an inexact sum with an even last bit moves one ulp toward the exact value.
+    bits = s.view(torch.int64)
+    away = (err > 0) == (s > 0)
+    odd = torch.where(away, bits + 1, bits - 1)
+    bits = torch.where((err != 0) & ((bits & 1) == 0), odd, bits)
+    return bits.view(torch.float64).float()
+
+
+_LN_MIN, _LN_MAX = _f32(0xC2AEAC50), _f32(0x42B17218)  # ln of the smallest / largest normal float
+_LOG2E, _LN2 = _f32(0x3FB8AA3B), _f32(0x3F317218)
+_POLY = (0.999999701, 0.499991506, 0.166676521, 0.0418978221, 0.00828929059)  # as FP32 literals
+
+
+def fast_exp(x: torch.Tensor) -> torch.Tensor:
+    """The attention kernel's FP32 exponential: ``2^n · P(r)`` with ``n = floor(x·log2 e + ½)``.
+
+    ``r = x − n·ln 2`` (one rounding), ``P`` a degree-5 polynomial in Horner form with fused steps,
+    ``exp(x) = P(r) · 2^(n−1) · 2``; inputs below ln(FLT_MIN) (and −inf) give 0.
+    """
+    x = x.float()
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    tiny = x < _LN_MIN
+    src = x.clamp(_LN_MIN, _LN_MAX)
+    n = fma(src, f32(_LOG2E), f32(0.5)).floor()
+    r = fma(-n, f32(_LN2), src)
+    poly = fma(r, f32(_POLY[4]), f32(_POLY[3]))
+    for coef in (_POLY[2], _POLY[1], _POLY[0], 1.0):
+        poly = fma(r, poly, f32(coef))
+    pow2 = (((n - 1).to(torch.int32) + 127) << 23).view(torch.float32)
+    pow2 = torch.where(tiny, torch.zeros_like(pow2), pow2)
+    return poly * pow2 * 2.0
+
+
+def lane_sum(v: torch.Tensor) -> torch.Tensor:
+    """Sum of 16 lanes (last dim) in the order of an AVX-512 horizontal add."""
+    v = v[..., 8:] + v[..., :8]
+    v = v[..., 4:] + v[..., :4]
+    return (v[..., 0] + v[..., 2]) + (v[..., 1] + v[..., 3])
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotary embedding of ``x [..., D]`` with ``cos, sin`` broadcastable to ``[..., D/2]``."""
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    return torch.cat([fma(-x2, sin, x1 * cos), fma(x1, sin, x2 * cos)], dim=-1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the last ``Tq`` positions: ``q [H, Tq, D]``, ``k, v [Hkv, Tk, D]`` → ``[H, Tq, D]``."""
+    heads, tq, dim = q.shape
+    kv_heads, tk, _ = k.shape
+    k = k.float().repeat_interleave(heads // kv_heads, dim=0)
+    v = v.float().repeat_interleave(heads // kv_heads, dim=0)
+    qs = q.float() * scale
+    span = -(-tk // 32) * 32  # the kernel's KV range, padded with masked rows
+    kp = q.new_zeros(heads, span, dim, dtype=torch.float32)
+    vp = torch.zeros_like(kp)
+    kp[:, :tk], vp[:, :tk] = k, v
+    logits = torch.zeros(heads, tq, span)
+    for d in range(dim):
+        logits = fma(qs[:, :, d : d + 1], kp[:, None, :, d], logits)
+    pos = torch.arange(tk - tq, tk)
+    logits = logits.masked_fill(torch.arange(span)[None, :] > pos[:, None], float("-inf"))
+    p = fast_exp(logits - logits.amax(dim=-1, keepdim=True))
+    lanes = torch.zeros(heads, tq, 16)
+    for chunk in p.view(heads, tq, span // 16, 16).unbind(dim=2):
+        lanes = lanes + chunk
+    total = lane_sum(lanes)
+    out = torch.zeros(heads, tq, dim)
+    for t in range(span):
+        out = fma(p[:, :, t : t + 1], vp[:, None, t, :], out)
+    return (1.0 / total.double()).float()[..., None] * out
+
+
+class CpuEngineAttention(nn.Module):
+    """An HF Llama-style self-attention block whose rotary embedding and attention follow vLLM's
+    CPU kernels (above); projections, KV cache and everything else are the wrapped module's.
+    Batch size 1, causal, no padding."""
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        if any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
+            raise ValueError("per-head q/k norms are not modelled")
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.head_dim, self.layer_idx, self.scaling = attn.head_dim, attn.layer_idx, float(attn.scaling)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, past_key_values=None, **kwargs):
+        if hidden_states.dtype != torch.float32 or hidden_states.shape[0] != 1:
+            raise ValueError("the CPU engine's attention arithmetic is modelled for FP32, batch size 1")
+        cache = cache if cache is not None else past_key_values
+        t = hidden_states.shape[1]
+        shape = (1, t, -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        cos, sin = position_embeddings  # [1, T, D], the two halves equal
+        half = self.head_dim // 2
+        cos, sin = cos[:, None, :, :half].float(), sin[:, None, :, :half].float()
+        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        out = attention(q[0], k[0], v[0], self.scaling)  # [H, T, D]
+        out = out.transpose(0, 1).reshape(1, t, -1)
+        return self.o_proj(out), None
+
+
+def use_cpu_engine_attention(model: nn.Module) -> nn.Module:
+    """Replace every decoder layer's ``self_attn`` of an HF model by :class:`CpuEngineAttention`."""
+    layers = model.model.layers
+    for layer in layers:
+        layer.self_attn = CpuEngineAttention(layer.self_attn)
+    return model
