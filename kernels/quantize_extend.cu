@@ -208,9 +208,10 @@ __device__ __forceinline__ void unpack_group(const uint4 raw, float (&f)[kGroup]
   }
 }
 
-// ---------------------------------------------------------------- kernel
+// ---------------------------------------------------------------- exact path
 
-// One row's work for this thread's group g. Every lane of the warp calls it (shuffles).
+// One row's work for this thread's group g, every operation in the reference's form: the
+// fallback of the fast path below. Every lane of the warp calls it (shuffles).
 template <bool BF16, int FMT, int KSEL>
 __device__ __forceinline__ void process_row(const Params& p, const uint4 raw, const int64_t row, const int g,
                                             const bool has_input, const uint32_t mask, const float alpha,
@@ -271,17 +272,223 @@ __device__ __forceinline__ void process_row(const Params& p, const uint4 raw, co
   if (g % RES_LANES == 0 && pos < p.KE) p.scales[row * (W / B) + p.K / B + pos / B] = sbyte;
 }
 
+// ---------------------------------------------------------------- fast path
+//
+// The same arithmetic in fewer instructions, exact under conditions checked per row (a warp
+// whose row breaks one of them takes the exact path above, `process_row`):
+//
+// * Division: x / d as the compiler's fast sequence (q0 = x*y, r = x - d*q0, q = q0 + y*r, y the
+//   Newton-refined reciprocal), computed once per block for d, and once per launch for 6*alpha.
+//   It is correctly rounded while nothing overflows and x/d is not tiny. Tiny quotients
+//   (|q| < 2^-100) only need the right sign and zero-ness (their code is 0 or 8, value +-0,
+//   residue x): with alpha in [2^-87, 36] every divisor lies in [2^-96, 2^14], so a nonzero bf16
+//   or fp16 x (>= 2^-133) gives |x/d| >= 2^-147, nonzero both ways, and residues are either x
+//   or multiples of d*2^-27. Overflow is excluded by block amax <= 448*alpha*2^100.
+//   MXFP4 multiplies by 2^-e; with e <= 14 no nonzero input underflows to zero.
+// * Sign: the fast sequence maps x = -0 to q = +0 (and MXFP4 uses fma(x, 2^-e, +0)), so the sign
+//   bit of q is exactly the reference's `q < 0`.
+// * E2M1: one path for every binade. With a = min(|q|, 6) and p = 2^e the power of two of
+//   max(a, 1) (e in {0, 1, 2}), t = a + 1.5*2^22*p is a single rounding to the grid step 0.5*p
+//   with ties to even (the magic constant is an even multiple of the step), and
+//   v = t - 1.5*2^22*p is the grid value, exactly. The code is the bit pattern of v*2^-126 shifted
+//   right by 22 (0.5 lands on the smallest normal's half, a subnormal: 0.5 -> 1, 1 -> 2, ...,
+//   6 -> 7).
+
+constexpr float kMagic = 6291456.0f;  // 1.5 * 2^22
+constexpr int kSpillM = 9 * kThreads;  // words from an input slot to its grid magnitude
+
+__device__ __forceinline__ float refined_reciprocal(float d) {
+  float y0;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y0) : "f"(d));
+  return __fmaf_rn(y0, __fmaf_rn(-d, y0, 1.0f), y0);
+}
+
+__device__ __forceinline__ float fast_div(float x, float d, float y) {
+  const float q0 = __fmul_rn(x, y);
+  return __fmaf_rn(y, __fmaf_rn(-d, q0, x), q0);
+}
+
+// Magnitude of q rounded to the E2M1 grid (RNE, saturating at 6), as its value.
+__device__ __forceinline__ float e2m1_grid(float q) {
+  const float a = fminf(fabsf(q), 6.0f);
+  const float p = __uint_as_float(__float_as_uint(fmaxf(a, 1.0f)) & 0x7F800000u);
+  const float t = __fmaf_rn(p, kMagic, a);
+  return __fmaf_rn(p, -kMagic, t);
+}
+
+struct Tensor {
+  float alpha, six_alpha, y6;  // NVFP4: alpha, 6*alpha and its refined reciprocal
+  float bound;                 // NVFP4: largest block amax the fast path takes
+  int rounding;
+};
+
+// Scale of one block: d (the divisor: float(s)*alpha, or 2^e), y (its reciprocal: refined, or
+// 2^-e) and the stored byte. Returns false when the block must take the exact path.
+template <int FMT>
+__device__ __forceinline__ bool block_scale(float amax, const Tensor& c, float* d, float* y, uint8_t* byte) {
+  if (FMT == kNVFP4) {
+    float s = fast_div(amax, c.six_alpha, c.y6);
+    if (s == 0.0f) s = 1.0f;
+    s = fminf(fmaxf(s, 0.001953125f /* 2^-9 */), 448.0f);
+    const __nv_fp8_storage_t b = __nv_cvt_float_to_fp8(s, __NV_SATFINITE, __NV_E4M3);
+    *byte = static_cast<uint8_t>(b);
+    *d = __fmul_rn(__half2float(__half(__nv_cvt_fp8_to_halfraw(b, __NV_E4M3))), c.alpha);
+    *y = refined_reciprocal(*d);
+    return amax <= c.bound;
+  } else {
+    const int e = mxfp4_exponent(amax, c.rounding);
+    *byte = static_cast<uint8_t>(e + 127);
+    *d = pow2_exact(e);
+    *y = pow2_exact(-e);
+    return e <= 14;
+  }
+}
+
+// Codes of N values of one block (nibble t in bits 4t..4t+3). OUT: 0 nothing else, 1 their
+// residues, 2 their grid magnitudes (for residues formed later, `residue_fast`).
+template <int FMT, int N, int OUT>
+__device__ __forceinline__ uint32_t encode_fast(const float (&v)[N], float d, float y, float (&out)[N]) {
+  uint32_t packed = 0;
+#pragma unroll
+  for (int t = 0; t < N; ++t) {
+    const float q = FMT == kNVFP4 ? fast_div(v[t], d, y) : __fmaf_rn(v[t], y, 0.0f);
+    const float m = e2m1_grid(q);
+    const uint32_t qb = __float_as_uint(q);
+    const uint32_t code = __float_as_uint(__fmul_rn(m, 1.1754943508222875e-38f /* 2^-126 */)) >> 22;
+    packed |= (code | ((qb >> 28) & 8u)) << (4 * t);
+    if (OUT == 1) out[t] = __fsub_rn(v[t], __fmul_rn(__uint_as_float(__float_as_uint(m) | (qb & 0x80000000u)), d));
+    if (OUT == 2) out[t] = m;
+  }
+  return packed;
+}
+
+// The residue of x from its grid magnitude m and block divisor d: x - (+-m)*d, the sign taken from
+// x (the sign of q except for x = -0, where only the residue's zero sign differs, which nothing
+// reads: amax takes |r| and a zero quotient is +0 either way).
+__device__ __forceinline__ float residue_fast(float x, float m, float d) {
+  return __fsub_rn(x, __fmul_rn(__uint_as_float(__float_as_uint(m) | (__float_as_uint(x) & 0x80000000u)), d));
+}
+
+template <int FMT, int LANES, int N, int OUT>
+__device__ __forceinline__ uint32_t quantize_fast(const float (&v)[N], float amax, const Tensor& c, uint8_t* byte,
+                                                  float (&out)[N], float* d_out = nullptr) {
+  float d, y;
+  block_scale<FMT>(amax, c, &d, &y, byte);
+  if (d_out) *d_out = d;
+  return encode_fast<FMT, N, OUT>(v, d, y, out);
+}
+
+template <int N>
+__device__ __forceinline__ float abs_max(const float (&v)[N]) {
+  float a = 0.0f;
+#pragma unroll
+  for (int t = 0; t < N; ++t) a = fmaxf(a, fabsf(v[t]));
+  return a;
+}
+
+// One row's work for this thread's group g on the fast path; `f` are the group's inputs and
+// `amax` their block's amax (already reduced over the block's lanes).
+template <int FMT, int KSEL>
+__device__ __forceinline__ void process_row_fast(const Params& p, const float (&f)[kGroup], float amax,
+                                                 const int64_t row, const int g, const bool has_input,
+                                                 const int (&pick)[KSEL > 0 && KSEL < 8 ? KSEL : 1], float* spill,
+                                                 const Tensor& c) {
+  constexpr int B = FMT == kNVFP4 ? 16 : 32;
+  constexpr int BASE_LANES = B / kGroup;
+  constexpr int KS = KSEL == 0 ? 1 : KSEL;
+  constexpr int RES_LANES = KSEL == 8 ? BASE_LANES : B / KS;
+  const int W = p.K + p.KE;
+
+  float r[kGroup];  // full: residues; K-Ext: grid magnitudes
+  float d;
+  uint8_t sbyte;
+  const uint32_t base =
+      quantize_fast<FMT, BASE_LANES, kGroup, KSEL == 0 ? 0 : (KSEL == 8 ? 1 : 2)>(f, amax, c, &sbyte, r, &d);
+  if (has_input) {
+    *reinterpret_cast<uint32_t*>(p.codes + row * (W / 2) + g * 4) = base;
+    if (g % BASE_LANES == 0) p.scales[row * (W / B) + g / BASE_LANES] = sbyte;
+  }
+  if (KSEL == 0) return;
+
+  if (KSEL == 8) {
+    float unused[kGroup];
+    const float ra = lane_max<BASE_LANES>(abs_max(r));
+    const uint32_t res = quantize_fast<FMT, BASE_LANES, kGroup, 0>(r, ra, c, &sbyte, unused);
+    if (has_input) {
+      *reinterpret_cast<uint32_t*>(p.rcodes + row * (p.K / 2) + g * 4) = res;
+      if (g % BASE_LANES == 0) p.rscales[row * (p.K / B) + g / BASE_LANES] = sbyte;
+    }
+    return;
+  }
+
+  // K-Ext: the residues of the selected channels only, in ascending channel order. Inputs and
+  // grid magnitudes go through this thread's slots in shared memory (`pick`: the word offset of
+  // each slot's input, its magnitude kSpillM words further; a missing bit reads zeros).
+  float sel[KS], unused[KS];
+  float4* s4 = reinterpret_cast<float4*>(spill);
+  s4[threadIdx.x] = make_float4(f[0], f[1], f[2], f[3]);
+  s4[kThreads + threadIdx.x] = make_float4(f[4], f[5], f[6], f[7]);
+  s4[kSpillM / 4 + threadIdx.x] = make_float4(r[0], r[1], r[2], r[3]);
+  s4[kSpillM / 4 + kThreads + threadIdx.x] = make_float4(r[4], r[5], r[6], r[7]);
+#pragma unroll
+  for (int k = 0; k < KS; ++k) sel[k] = residue_fast(spill[pick[k]], spill[pick[k] + kSpillM], d);
+  const float ra = lane_max<RES_LANES>(abs_max(sel));
+  const uint32_t ext = quantize_fast<FMT, RES_LANES, KS, 0>(sel, ra, c, &sbyte, unused);
+  const int pos = g * KS;
+  uint8_t* ext_codes = p.codes + row * (W / 2) + p.K / 2;
+  if (KS == 1) {
+    const uint32_t hi = __shfl_down_sync(kFull, ext, 1);
+    if ((g & 1) == 0 && pos < p.KE) ext_codes[pos / 2] = static_cast<uint8_t>(ext | (hi << 4));
+  } else if (pos < p.KE) {
+    if (KS == 2) ext_codes[pos / 2] = static_cast<uint8_t>(ext);
+    else *reinterpret_cast<uint16_t*>(ext_codes + pos / 2) = static_cast<uint16_t>(ext);
+  }
+  if (g % RES_LANES == 0 && pos < p.KE) p.scales[row * (W / B) + p.K / B + pos / B] = sbyte;
+}
+
+// ---------------------------------------------------------------- kernel
+
 // KSEL: channels selected per group: 0 (plain), 1/2/4 (K-Ext), 8 (full, separate outputs).
 // ROWS: rows per thread and iteration; their loads are all issued before any compute, so that
 // more bytes are in flight per thread.
 template <bool BF16, int FMT, int KSEL, int ROWS>
 __global__ void __launch_bounds__(kThreads) quantize_extend_kernel(const Params p) {
+  constexpr int B = FMT == kNVFP4 ? 16 : 32;
+  constexpr int BASE_LANES = B / kGroup;
+  constexpr int KW = KSEL > 0 && KSEL < 8 ? KSEL : 1;
   const int g = blockIdx.x * kThreads + threadIdx.x;
   const bool has_input = g < p.K / kGroup;
   const float alpha = FMT == kNVFP4 ? *p.alpha : 0.0f;
   const float six_alpha = __fmul_rn(6.0f, alpha);
   const uint32_t mask = (KSEL > 0 && KSEL < 8 && has_input) ? p.mask[g] : 0u;
   const uint16_t* x = static_cast<const uint16_t*>(p.x) + static_cast<int64_t>(g) * kGroup;
+
+  Tensor c;
+  c.alpha = alpha;
+  c.six_alpha = six_alpha;
+  c.y6 = FMT == kNVFP4 ? refined_reciprocal(six_alpha) : 0.0f;
+  c.bound = __fmul_rn(__fmul_rn(448.0f, alpha), 1.2676506002282294e30f /* 2^100 */);
+  c.rounding = p.rounding;
+  // alpha in [2^-87, 36]: every NVFP4 divisor in [2^-96, 2^14] (see the fast-path notes).
+  const bool fast_tensor = FMT != kNVFP4 || (alpha >= 6.462348535570529e-27f /* 2^-87 */ && alpha <= 36.0f);
+
+  // This group's selection, ascending (slot k: the k-th lowest mask bit), as word offsets into
+  // the thread's input slots in `spill`: channel j < 4 at [4*tid + j], j >= 4 at
+  // [4*(kThreads + tid) + j - 4], a zero word at [8*kThreads + tid] for a missing bit; the grid
+  // magnitudes mirror that layout kSpillM words further.
+  __shared__ float spill[KSEL > 0 && KSEL < 8 ? 2 * kSpillM : 1];
+  int pick[KW];
+  {
+    const int tid = threadIdx.x;
+    if (KSEL > 0 && KSEL < 8) spill[8 * kThreads + tid] = spill[kSpillM + 8 * kThreads + tid] = 0.0f;
+    uint32_t m = mask;
+#pragma unroll
+    for (int k = 0; k < KW; ++k) {
+      const int j = __ffs(m) - 1;
+      m &= m - 1u;
+      pick[k] = j < 0 ? 8 * kThreads + tid : (j < 4 ? 4 * tid + j : 4 * (kThreads + tid) + j - 4);
+    }
+  }
 
   for (int64_t row0 = static_cast<int64_t>(blockIdx.y) * ROWS; row0 < p.M;
        row0 += static_cast<int64_t>(gridDim.y) * ROWS) {
@@ -293,8 +500,15 @@ __global__ void __launch_bounds__(kThreads) quantize_extend_kernel(const Params 
     }
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
-      if (row0 + i < p.M)  // uniform across the CTA: one row at a time
-        process_row<BF16, FMT, KSEL>(p, raw[i], row0 + i, g, has_input, mask, alpha, six_alpha);
+      if (row0 + i >= p.M) continue;  // uniform across the CTA: one row at a time
+      float f[kGroup];
+      unpack_group<BF16>(raw[i], f);
+      const float amax = lane_max<BASE_LANES>(abs_max(f));
+      bool ok = fast_tensor;
+      if (FMT == kNVFP4) ok = ok && amax <= c.bound;
+      else ok = ok && mxfp4_exponent(amax, p.rounding) <= 14;
+      if (__all_sync(kFull, ok)) process_row_fast<FMT, KSEL>(p, f, amax, row0 + i, g, has_input, pick, spill, c);
+      else process_row<BF16, FMT, KSEL>(p, raw[i], row0 + i, g, has_input, mask, alpha, six_alpha);
     }
   }
 }

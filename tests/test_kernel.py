@@ -1,7 +1,8 @@
 """The fused quantize-and-extend kernel against the PyTorch reference (SPEC §11).
 
-CPU tests cover the wrapper's reference path, its argument checks, and the kernel's integer
-E2M1 rounding rule (re-stated in Python) against `fp4.encode_e2m1`. GPU tests build the kernel
+CPU tests cover the wrapper's reference path, its argument checks, and the kernel's two E2M1
+rounding rules (re-stated in Python) against `fp4.encode_e2m1`: the exact path's integer rule
+and the fast path's one-binade magic-number rule. GPU tests build the kernel
 and compare it bit for bit (codes and scale bytes, rtol=0) with the reference on poisoned outputs.
 """
 
@@ -74,6 +75,34 @@ def test_kernel_e2m1_rule_matches_reference_on_every_tie_and_a_dense_sweep():
     near = torch.cat([torch.nextafter(t, torch.zeros_like(t)), torch.nextafter(t, torch.full_like(t, 9.0)), t])
     a = torch.cat([sweep, near])
     assert torch.equal(kernel_e2m1_magnitude(a), encode_e2m1(a).to(torch.int64))
+
+
+def kernel_e2m1_fast(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fast path's rule (quantize_extend.cu, e2m1_grid and encode_fast), in torch FP32:
+    a = min(|q|, 6), p = the power of two of max(a, 1), t = a + 1.5*2^22*p (one rounding: the
+    product is exact), v = t - 1.5*2^22*p (exact); code = bits(v * 2^-126) >> 22. Returns
+    (code, v)."""
+    a = torch.clamp(q.float().abs(), max=6.0)
+    p = (torch.clamp(a, min=1.0).view(torch.int32) & 0x7F800000).view(torch.float32)
+    m = p * 6291456.0
+    v = (a + m) - m
+    code = (v * 2.0**-126).view(torch.int32) >> 22
+    return code.to(torch.int64), v
+
+
+def test_kernel_fast_e2m1_rule_matches_reference_on_every_tie_and_a_dense_sweep():
+    ties = torch.tensor([0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 1e30, float("inf"), 1e-45, 2.0**-126])
+    code, v = kernel_e2m1_fast(ties)
+    assert code.tolist() == [0, 0, 2, 2, 4, 4, 6, 6, 7, 7, 7, 7, 0, 0]
+    assert v.tolist() == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, 6.0, 6.0, 0.0, 0.0]
+    sweep = torch.cat([torch.linspace(0, 8, 400_001), torch.rand(100_000) * 1e-3, torch.rand(100_000) * 100])
+    t = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 1.0, 0.5, 2.0, 4.0, 6.0])
+    near = torch.cat([torch.nextafter(t, torch.zeros_like(t)), torch.nextafter(t, torch.full_like(t, 9.0)), t])
+    a = torch.cat([sweep, near, -sweep])
+    code, v = kernel_e2m1_fast(a)
+    want = encode_e2m1(a).to(torch.int64) & 7  # magnitude code; the sign comes from q separately
+    assert torch.equal(code, want)
+    assert torch.equal(v, torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])[want])
 
 
 def test_reference_backend_is_extended_activation():
@@ -189,6 +218,47 @@ def test_kernel_bit_exact(fmt, rounding, dtype, ratio):
         names = ("codes", "scales", "residue codes", "residue scales")
         for name, g, w in zip(names, out, want):
             assert g.shape == w.shape and torch.equal(g, w), f"M={M} K={K} rows={rows} max_ctas={max_ctas} {name}: {_first_mismatch(g, w)}"
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("fmt,rounding", FMT_ROUNDING, ids=lambda v: v)
+def test_kernel_bit_exact_where_rows_take_the_exact_path(fmt, rounding, ratio):
+    """Inputs outside the fast path's guarantees go through the exact path, row by row (a warp
+    whose row fails a check) or for the whole tensor (NVFP4 alpha outside [2^-87, 36]), and stay
+    bit-exact: NVFP4 with a tiny alpha and rows of 1e12 (block amax above 448*alpha*2^100), NVFP4
+    with alpha > 36, MXFP4 rows whose block exponent exceeds 14."""
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"exact{fmt}{rounding}{ratio}".encode()))
+    cpu_gen = torch.Generator().manual_seed(3)
+    dev = torch.device("cuda")
+    b = BLOCK[fmt]
+    M, K = 96, 4096
+    K_E = kext.ext_width(K, ratio, fmt)
+    ksel = 8 if ratio == 1.0 else (int(ratio * 8) if K_E else 0)
+    mask = random_mask(K, ksel, cpu_gen).to(dev) if 0 < ksel < 8 else None
+    base = adversarial(M, K, torch.float32, gen)
+    big = torch.rand(M, 1, generator=gen, device=dev) < 0.3  # rows that take the exact path
+    if fmt == "nvfp4":
+        cases = [
+            ((base * 1e-20).where(~big, base * 1e12), global_scale(torch.tensor(1e-20))),  # per row
+            (base * 1e6, global_scale(torch.tensor(1e6))),  # alpha = 372 > 36: whole tensor
+        ]
+    else:
+        cases = [(base.where(~big, base * 1e6), None)]
+    for n, (x, alpha) in enumerate(cases):
+        x = x.to(torch.bfloat16)
+        alpha = alpha.to(dev) if alpha is not None else None
+        out = [
+            torch.full((M, (K + K_E) // 2), 0xFF, dtype=torch.uint8, device=dev),
+            torch.full((M, (K + K_E) // b), 0xFF, dtype=torch.uint8, device=dev),
+            torch.full((M, K // 2) if ksel == 8 else (0, 0), 0xFF, dtype=torch.uint8, device=dev),
+            torch.full((M, K // b) if ksel == 8 else (0, 0), 0xFF, dtype=torch.uint8, device=dev),
+        ]
+        kernel.quantize_extend_raw(x, mask, ksel, fmt, alpha, rounding, K_E, out, rows=(1, 2, 4)[n % 3])
+        want = _reference(x, mask, ratio, fmt, alpha, rounding)
+        for name, g, w in zip(("codes", "scales", "residue codes", "residue scales"), out, want):
+            assert torch.equal(g, w), f"case {n} {name}: {_first_mismatch(g, w)}"
 
 
 @GPU
