@@ -98,13 +98,18 @@ def pack(mdir: Path, calib: Path, out: Path, fmt: str, ratio: float) -> Path:
     return out
 
 
-def reference(model_dir_: Path, calib: Path, fmt: str, ratio: float, *, arithmetic: str, decode_rows: int | None, dtype=torch.bfloat16):
+def reference(
+    model_dir_: Path, calib: Path, fmt: str, ratio: float, *, arithmetic: str, decode_rows: int | None,
+    dtype=torch.bfloat16, attention: str = "hf",
+):
     """The HF model with emulated linears (see resserve_export.vllm_plugin.reference)."""
     from resserve_export import modelio
     from resserve_export.vllm_plugin.reference import emulate_model, load_salience
 
     model = modelio.load_model(model_dir_, dtype=str(dtype).removeprefix("torch."))
-    return emulate_model(model, load_salience(calib), fmt, ratio, arithmetic=arithmetic, decode_rows=decode_rows)
+    return emulate_model(
+        model, load_salience(calib), fmt, ratio, arithmetic=arithmetic, decode_rows=decode_rows, attention=attention
+    )
 
 
 @torch.no_grad()
