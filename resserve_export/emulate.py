@@ -52,6 +52,22 @@ class QuantizedWeight:
             self.w_ext = dequantize(self.ext)
 
 
+def quantized_residue_operand(
+    res: torch.Tensor,
+    xq: FP4Tensor,
+    mode: str,
+    *,
+    mask: torch.Tensor | None = None,
+    width: int = 0,
+    rounding: ScaleRounding | str = ScaleRounding.CEIL,
+    backend: str = "reference",
+) -> FP4Tensor:
+    """The residue operand of a compensated product in FP4, with the base α of `xq`: R for
+    ``full``, ``[R_S | 0]`` of the extension's `width` for ``k_ext``."""
+    src = res if mode == "full" else _compact(res, mask, width)
+    return quantize(src, xq.fmt, alpha=xq.global_scale, rounding=rounding, backend=backend)
+
+
 def residue_operand(
     res: torch.Tensor,
     xq: FP4Tensor,
@@ -64,8 +80,21 @@ def residue_operand(
 ) -> torch.Tensor:
     """The dequantized residue operand of a compensated product, with the base α of `xq`:
     R̂ for ``full``, ``[R̂_S | 0]`` of the extension's `width` for ``k_ext``."""
-    src = res if mode == "full" else _compact(res, mask, width)
-    return dequantize(quantize(src, xq.fmt, alpha=xq.global_scale, rounding=rounding, backend=backend))
+    return dequantize(quantized_residue_operand(res, xq, mode, mask=mask, width=width, rounding=rounding, backend=backend))
+
+
+def exact_operand(q: FP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The values of `q` without its tensor scale α, in `dtype`: E2M1 value × block scale.
+
+    ``dequantize(q) == α · exact_operand(q)`` up to the FP32 rounding of the product. The values are
+    exact in bfloat16: an E2M1 value has at most 2 significant bits and an E4M3 scale at most 4
+    (MXFP4: a power of two), so products of these operands are exact and a bf16 GEMM with FP32
+    accumulation rounds only its sums and its output.
+    """
+    if q.global_scale is None:
+        return dequantize(q).to(dtype)
+    one = torch.ones((), dtype=torch.float32, device=q.codes.device)
+    return dequantize(FP4Tensor(q.fmt, q.codes, q.scales, one)).to(dtype)
 
 
 def residue_weight(qw: QuantizedWeight, mode: str) -> torch.Tensor:
