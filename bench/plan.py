@@ -5,15 +5,19 @@
    group sizes of Qwen3-8B's linears), and the greedy objective's gap to the optimum.
 2. On SmolLM2-135M (the embedded default model): the cost of grad scoring as a ratio to one
    calibration pass (`calibrate.collect`, the statistics forward) over the same batches (target
-   ≤ 3×), with the one-off weight quantization of the candidates reported apart; and the cost of
-   KL scoring, measured on a subset of groups and extrapolated per (group, ratio) pass.
+   ≤ 3×), for the default precision (bf16 GEMMs where fast) and the FP32 emulation, next to a
+   plain forward + backward of the same loss (the floor); the one-off weight quantization of the
+   candidates and the first run's compiles reported apart; and the cost of KL scoring, measured
+   on a subset of groups and extrapolated per (group, ratio) pass.
 
     python bench/plan.py                       # both parts, markdown on stdout
     python bench/plan.py --part solve
     python bench/plan.py --samples 8 --seq-len 128 --write   # also write bench/results/plan.md
 
 CPU timings on a shared machine are noisy: each figure is the median of `--repeat` runs, and the
-scoring ratio compares passes run back to back in the same process.
+scoring ratio compares passes run back to back in the same process. `--write` regenerates the
+measured sections and keeps any other `## ` section of the existing file (earlier runs under
+their own headings, the hand-written Reading).
 """
 
 from __future__ import annotations
@@ -107,12 +111,47 @@ def bench_scores(samples: int, seq_len: int, batch_size: int, kl_groups: int, re
     cands = S.build_candidates(model, groups, stats, RATIOS)
     t_build = time.perf_counter() - t
 
-    grad = []
+    # The floor of any grad method: forward + backward of the same loss with no score hooks.
+    def fwd_bwd():
+        flags = [(p, p.requires_grad) for p in model.parameters()]
+        for p, _ in flags:
+            p.requires_grad_(False)
+        try:
+            for b in batches:
+                ids, mask = b["input_ids"], b["attention_mask"]
+                emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+                logits = model(inputs_embeds=emb, attention_mask=mask, use_cache=False).logits
+                lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+                ok = mask[:, 1:].bool() & mask[:, :-1].bool()
+                (-lp.gather(-1, ids[:, 1:, None]).squeeze(-1))[ok].sum().backward()
+        finally:
+            for p, f in flags:
+                p.requires_grad_(f)
+
+    floor = []
     for _ in range(repeat):
         t = time.perf_counter()
-        S.compute_scores(model, batches, stats, groups, "grad", candidates=cands, show_progress=False)
-        grad.append(time.perf_counter() - t)
-    t_grad = statistics.median(grad)
+        fwd_bwd()
+        floor.append(time.perf_counter() - t)
+    t_floor = statistics.median(floor)
+
+    precision = S.resolve_precision("auto", torch.device("cpu"), torch.bfloat16)
+    # One-off costs of the bf16 path (compiling its fused preparation, the bf16 weight operands),
+    # paid on the first batch and reported apart.
+    t = time.perf_counter()
+    S.compute_scores(model, batches[:1], stats, groups, "grad", candidates=cands, show_progress=False, precision=precision)
+    t_first = time.perf_counter() - t
+
+    def timed(prec):
+        runs = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            S.compute_scores(model, batches, stats, groups, "grad", candidates=cands, show_progress=False, precision=prec)
+            runs.append(time.perf_counter() - t)
+        return statistics.median(runs)
+
+    t_grad = timed(precision)
+    t_grad32 = timed("fp32") if precision != "fp32" else t_grad
 
     # KL: the first and last layers' groups (reruns from layer 0 are the longest, from the last the shortest).
     sub = groups[: kl_groups // 2] + groups[-(kl_groups - kl_groups // 2) :]
@@ -131,8 +170,11 @@ def bench_scores(samples: int, seq_len: int, batch_size: int, kl_groups: int, re
         "| pass | time (s) | × calibration pass |",
         "| --- | --- | --- |",
         f"| calibration pass (`calibrate.collect`) | {t_calib:.2f} | 1.00 |",
-        f"| grad scores, all groups, all ratios (one forward + backward per batch) | {t_grad:.2f} | {t_grad / t_calib:.2f} |",
+        f"| forward + backward of the loss alone, no score hooks (the floor of any grad method) | {t_floor:.2f} | {t_floor / t_calib:.2f} |",
+        f"| **grad scores, all groups, all ratios, `precision={precision}` (the default here)** | {t_grad:.2f} | **{t_grad / t_calib:.2f}** |",
+        f"| grad scores, `precision=fp32` (FP32 emulation) | {t_grad32:.2f} | {t_grad32 / t_calib:.2f} |",
         f"| one-off weight quantization of every candidate (independent of the data) | {t_build:.2f} | {t_build / t_calib:.2f} |",
+        f"| first grad run on one batch, `precision={precision}`: compiles + bf16 weight operands (one-off) | {t_first:.2f} | {t_first / t_calib:.2f} |",
         f"| KL scores, {len(sub)} groups measured | {t_kl_sub:.2f} | {t_kl_sub / t_calib:.2f} |",
         f"| KL scores, all groups (extrapolated: {per_pass:.2f} s per (group, ratio) pass) | {t_kl_all:.0f} | {t_kl_all / t_calib:.0f} |",
     ]
@@ -166,7 +208,23 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        (ROOT / "bench" / "results" / "plan.md").write_text(text)
+        out = ROOT / "bench" / "results" / "plan.md"
+        kept = hand_written(out.read_text() if out.exists() else "", {l for l in lines if l.startswith("## ")})
+        out.write_text(text.rstrip("\n") + "\n" + ("\n" + kept if kept else ""))
+
+
+def hand_written(old: str, generated: set[str]) -> str:
+    """The `## ` sections of an existing results file that this script does not generate (earlier
+    runs under their own headings, the hand-written Reading), kept in order by --write."""
+    keep, out = False, []
+    for line in old.splitlines():
+        if line.startswith("## "):
+            keep = line not in generated
+        elif line.startswith("# "):
+            keep = False
+        if keep:
+            out.append(line)
+    return "\n".join(out).strip("\n") + "\n" if out else ""
 
 
 if __name__ == "__main__":
