@@ -161,9 +161,12 @@ class Candidates:
                     elif mode == "k_ext":
                         res[r] = exact_operand(self.qw[r][k].ext)
                 built.append((w_exact, hi, lo, res))
-            cache = self._fast_cache = [
-                (torch.cat([we, -hi] + ([-lo] if need_lo else []), dim=1), res) for we, hi, lo, res in built
-            ]
+            cache = []
+            for we, hi, lo, res in built:
+                b0 = torch.cat([we, -hi] + ([-lo] if need_lo else []), dim=1)
+                # Full compensation multiplies Ŵ' itself: a view into b0, not a second copy.
+                cache.append((b0, {r: b0[:, : we.shape[1]] if w is we else w for r, w in res.items()}))
+            self._fast_cache = cache
         return cache[i]
 
     def _c(self) -> torch.Tensor:
@@ -350,9 +353,9 @@ PRECISIONS = ("auto", "fp32", "bf16")
 
 
 def _fast_bf16(device: torch.device) -> bool:
-    """Whether bf16 GEMMs are fast here: CUDA with bf16 support, or a CPU with AVX512-BF16/AMX."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+    """Whether `auto` takes the bf16 path: a CPU with AVX512-BF16 or AMX, where a bf16 GEMM is
+    ~4x an FP32 one. Not chosen on GPUs (FP32 GEMMs are cheap there, and the bf16 operands would
+    add ~10 bytes per weight to the candidates' memory); ``precision="bf16"`` still works there."""
     if device.type != "cpu":
         return False
     try:
@@ -365,7 +368,7 @@ def _fast_bf16(device: torch.device) -> bool:
 
 def resolve_precision(precision: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
     """``fp32`` or ``bf16`` for the grad scores' candidate products. ``auto`` is bf16 for a bf16
-    model (its activations are exact bf16 GEMM operands) where bf16 GEMMs are fast, else fp32."""
+    model (its activations are exact bf16 GEMM operands) on a CPU with fast bf16 GEMMs, else fp32."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown score precision {precision!r}, available: {list(PRECISIONS)}")
     if precision == "auto":
@@ -597,8 +600,9 @@ def compute_scores(
     own FP32 products, bit for bit, minus the module's output), ``bf16`` (the exact FP4 operands
     in bf16 GEMMs with FP32 accumulation, see `Candidates.prepare_fast`: within ~2e-4 of a float64
     oracle on SmolLM2, where the fp32 path's bf16 reference output puts it within ~1e-2) or
-    ``auto`` (bf16 for bf16 models where bf16 GEMMs are fast: AVX512-BF16/AMX CPUs and CUDA;
-    else fp32). The result records the one used. KL scores always use the FP32 path.
+    ``auto`` (bf16 for bf16 models on CPUs with AVX512-BF16/AMX, else fp32). The bf16 path keeps
+    bf16 copies of the candidate weights (≈ 2·(3 + 0.875) bytes per weight). The result records
+    the precision used. KL scores always use the FP32 path.
     """
     if method not in METHODS:
         raise ValueError(f"unknown score method {method!r}, available: {list(METHODS)}")
