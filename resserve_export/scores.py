@@ -601,7 +601,7 @@ def compute_scores(
     in bf16 GEMMs with FP32 accumulation, see `Candidates.prepare_fast`: within ~2e-4 of a float64
     oracle on SmolLM2, where the fp32 path's bf16 reference output puts it within ~1e-2) or
     ``auto`` (bf16 for bf16 models on CPUs with AVX512-BF16/AMX, else fp32). The bf16 path keeps
-    bf16 copies of the candidate weights (≈ 2·(3 + 0.875) bytes per weight). The result records
+    bf16 copies of the candidate weights (≈ 8 bytes per weight). The result records
     the precision used. KL scores always use the FP32 path.
     """
     if method not in METHODS:
