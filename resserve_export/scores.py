@@ -13,7 +13,9 @@ Two methods, both through the one emulated FP4 linear of `resserve_export.emulat
   BRECQ), L the summed next-token cross-entropy. One forward + backward per batch; backward hooks
   on each quantized linear's output receive ∂L/∂Y and score every candidate ratio of the group
   right there from the captured input (all candidates from one pass). Weight gradients are never
-  computed. Reported per valid token.
+  computed. Reported per valid token. The candidate products run in FP32 (the emulated linear's
+  own arithmetic) or, by default for bf16 models on CPUs with fast bf16 GEMMs, as bf16 GEMMs on
+  the same FP4 operands, exact in bf16 (`Candidates.prepare_fast`).
 
 Padding never counts: KL is averaged over positions with attention_mask = 1, and the loss of the
 grad method ignores padded targets (so their ∂L/∂Y is zero).
