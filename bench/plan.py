@@ -180,9 +180,88 @@ def bench_scores(samples: int, seq_len: int, batch_size: int, kl_groups: int, re
     ]
 
 
+def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int, smoke: bool = False) -> list[str]:
+    """Grad-scoring cost on one CUDA GPU: a random Qwen3-1.7B-shaped bf16 model on random tokens
+    (the cost does not depend on the weights), against the calibration pass over the same batches."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import calibrate as bench_calibrate  # bench/calibrate.py: the model shape and random batches
+
+    from resserve_export import scores as S
+    from resserve_export.calibrate import collect
+    from resserve_export.groups import group_linears, linears_of
+
+    if smoke:
+        bench_calibrate.SHAPE.update(bench_calibrate.SMOKE)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = bench_calibrate.qwen3_shaped(dev)
+    vocab = bench_calibrate.SHAPE["vocab_size"]
+    batches = [{k: v.to(dev) for k, v in b.items()} for b in bench_calibrate.random_batches(batches_n, batch_size, seq_len, vocab)]
+    groups = group_linears(linears_of(model))
+    tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+
+    def timed(fn):
+        fn()  # warm-up: compiles, cuBLAS handles, the allocator
+        runs = []
+        for _ in range(repeat):
+            torch.cuda.synchronize() if dev == "cuda" else None
+            t = time.perf_counter()
+            out = fn()
+            torch.cuda.synchronize() if dev == "cuda" else None
+            runs.append(time.perf_counter() - t)
+        return statistics.median(runs), out
+
+    t_calib, (stats, _) = timed(lambda: collect(model, batches, groups))
+    t = time.perf_counter()
+    cands = S.build_candidates(model, groups, stats, RATIOS)
+    torch.cuda.synchronize() if dev == "cuda" else None
+    t_build = time.perf_counter() - t
+
+    def fwd_bwd():
+        flags = [(p, p.requires_grad) for p in model.parameters()]
+        for p, _ in flags:
+            p.requires_grad_(False)
+        try:
+            for b in batches:
+                ids, mask = b["input_ids"], b["attention_mask"]
+                emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+                logits = model(inputs_embeds=emb, attention_mask=mask, use_cache=False).logits
+                lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+                ok = mask[:, 1:].bool() & mask[:, :-1].bool()
+                (-lp.gather(-1, ids[:, 1:, None]).squeeze(-1))[ok].sum().backward()
+        finally:
+            for p, f in flags:
+                p.requires_grad_(f)
+
+    t_floor, _ = timed(fwd_bwd)
+    grad = {}
+    for prec in ("bf16", "fp32"):
+        grad[prec], _ = timed(lambda prec=prec: S.compute_scores(model, batches, stats, groups, "grad", candidates=cands, show_progress=False, precision=prec))
+    name = torch.cuda.get_device_name(0) if dev == "cuda" else "cpu"
+    return [
+        f"## Scoring cost on one GPU ({name}, random Qwen3-1.7B-shaped bf16 model)",
+        "",
+        f"{batches_n} batches × {batch_size} × {seq_len} random tokens ({tokens} tokens), {len(groups)} decision groups × "
+        f"{len(RATIOS)} ratios, median of {repeat} after one warm-up run. Produced by `python bench/plan.py --part gpu`.",
+        "",
+        "| pass | time (s) | × calibration pass |",
+        "| --- | --- | --- |",
+        f"| calibration pass (`calibrate.collect`) | {t_calib:.3f} | 1.00 |",
+        f"| forward + backward of the loss alone, no score hooks | {t_floor:.3f} | {t_floor / t_calib:.2f} |",
+        f"| **grad scores, `precision=bf16`** | {grad['bf16']:.3f} | **{grad['bf16'] / t_calib:.2f}** |",
+        f"| grad scores, `precision=fp32` (FP32 emulation, the GPU default) | {grad['fp32']:.3f} | {grad['fp32'] / t_calib:.2f} |",
+        f"| one-off weight quantization of every candidate | {t_build:.3f} | {t_build / t_calib:.2f} |",
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", choices=["all", "solve", "scores"], default="all")
+    ap.add_argument("--part", choices=["all", "solve", "scores", "gpu"], default="all", help="gpu: grad-scoring cost on one CUDA GPU (not part of all)")
+    ap.add_argument("--gpu-batches", type=int, default=4)
+    ap.add_argument("--gpu-batch-size", type=int, default=4)
+    ap.add_argument("--gpu-seq-len", type=int, default=1024)
+    ap.add_argument("--smoke", action="store_true", help="--part gpu on a tiny model (checks the script on a CPU)")
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=4)
@@ -205,6 +284,8 @@ def main() -> None:
         lines += bench_solve(args.repeat) + [""]
     if args.part in ("all", "scores"):
         lines += bench_scores(args.samples, args.seq_len, args.batch_size, args.kl_groups, args.score_repeat) + [""]
+    if args.part == "gpu":
+        lines += bench_scores_gpu(args.gpu_batches, args.gpu_batch_size, args.gpu_seq_len, args.score_repeat, args.smoke) + [""]
     text = "\n".join(lines)
     print(text)
     if args.write:
