@@ -11,7 +11,9 @@ calibration, not from the checkpoint (resserve_export.vllm_plugin.reference).
     ignored and it generates the same tokens as (a);
 (d) with the plugin's ``resserve`` method the extended checkpoint generates the compensated
     reference's tokens, its prompt logprobs match the reference to FP32 tolerance, and its
-    held-out perplexity is below plain W4A4 in the same engine.
+    held-out perplexity is below plain W4A4 in the same engine; the same for an MXFP4
+    (compressed-tensors) extended checkpoint; and the engine core in its own process (what
+    `vllm serve` runs, the plugin found through its entry point alone) generates the same tokens.
 
 Up to the logits, the reference computes what the engine computes, bit for bit. FP4 activation
 quantization is discontinuous: a last-bit difference anywhere upstream of a quantizer can move one
@@ -226,3 +228,27 @@ def test_resserve_perplexity_below_plain_w4a4(env):
     (env["work"] / "perplexity.json").write_text(json.dumps(figures))
     for plain_ppl, comp_ppl in figures.values():
         assert comp_ppl < plain_ppl
+
+
+def test_resserve_method_serves_mxfp4(env):
+    """The resserve method over a compressed-tensors MXFP4 checkpoint (ρ = 0.25): the compensated
+    reference's tokens and logprobs, and a held-out perplexity below stock vLLM's plain MXFP4."""
+    run = engine(env, "mxfp4-r0.25-resserve", ckpt(env, "mxfp4", 0.25), PLUGIN, score=True)
+    assert run["quantization"] == "resserve"
+    check_tokens(run, reference_tokens(env, "mxfp4", 0.25, "fp32"), "MXFP4 rho=0.25, resserve method")
+    check_scores(env, run, reference(env, "mxfp4", 0.25, "fp32"), "MXFP4 rho=0.25, resserve method")
+    plain = engine(env, "mxfp4-plain", ckpt(env, "mxfp4", 0.0), STOCK, score=True)
+    n = len(env["prompts"])
+    p_plain, p_comp = perplexity(plain["score"][n:]), perplexity(run["score"][n:])
+    print(f"MXFP4 held-out perplexity in vLLM: plain {p_plain:.3f}, resserve rho=0.25 {p_comp:.3f}")
+    assert p_comp < p_plain
+
+
+def test_resserve_method_in_the_multiprocess_engine(env):
+    """What `vllm serve` runs: the engine core in its own process, which finds the plugin through
+    its `vllm.general_plugins` entry point alone; same tokens as the in-process engine."""
+    path = ckpt(env, "nvfp4", 0.25)
+    single = engine(env, "nvfp4-r0.25-resserve", path, PLUGIN, score=True)
+    multi = engine(env, "nvfp4-r0.25-resserve-mp", path, {**PLUGIN, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    assert multi["quantization"] == "resserve"
+    assert multi["generate"] == single["generate"]
