@@ -59,7 +59,9 @@ def _compiled_cpu_reduce():
     if os.environ.get("RESSERVE_BACKEND", "") == "reference":
         return None
     try:
-        fn = torch.compile(_abs_sum_max, dynamic=True)
+        from .compiling import compile_or_eager
+
+        fn = compile_or_eager(_abs_sum_max, dynamic=True)
         probe = torch.arange(64, dtype=torch.float32).reshape(8, 8).to(torch.bfloat16) - 30
         s, m = fn(probe)
         ref = probe.float().abs()

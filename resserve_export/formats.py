@@ -14,6 +14,7 @@ import os
 import torch
 
 from . import mxfp4, nvfp4
+from .compiling import compile_or_eager
 from .constants import BLOCK, FORMATS
 from .mxfp4 import ScaleRounding
 from .qtensor import FP4Tensor
@@ -39,7 +40,7 @@ def _blocks_fn(fmt: str, rounding: ScaleRounding):
 
 @functools.lru_cache(maxsize=None)
 def _compiled(fmt: str, rounding: ScaleRounding):
-    return torch.compile(_blocks_fn(fmt, rounding), dynamic=False, fullgraph=True)
+    return compile_or_eager(_blocks_fn(fmt, rounding), dynamic=False, fullgraph=True)
 
 
 def abs_max(x: torch.Tensor) -> torch.Tensor:

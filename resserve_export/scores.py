@@ -34,6 +34,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from .compiling import compile_or_eager
 from .constants import RATIOS
 from .emulate import QuantizedWeight, exact_operand, quantized_matmul, quantized_residue_operand, residue_operand, residue_weight
 from .formats import dequantize, quantize
@@ -323,7 +324,7 @@ _PREPARE_ROWS = 128
 @functools.lru_cache(maxsize=None)
 def _compiled_prepare(fmt: str, rounding: ScaleRounding, modes: tuple, widths: tuple, twice: bool):
     body = functools.partial(_prepare_body, fmt=fmt, rounding=rounding, modes=modes, widths=widths, twice=twice)
-    return torch.compile(body, dynamic=False, fullgraph=True)
+    return compile_or_eager(body, dynamic=False, fullgraph=True)
 
 
 def _sq_sums_eager(g: torch.Tensor, d0: torch.Tensor, *es: torch.Tensor) -> torch.Tensor:
@@ -347,7 +348,7 @@ def _sq_sums(g: torch.Tensor, d0: torch.Tensor, *es: torch.Tensor) -> torch.Tens
     if g.device.type != "cpu" or os.environ.get("RESSERVE_BACKEND", "") == "reference":
         return _sq_sums_eager(g, d0, *es)
     if _SQ_SUMS_COMPILED is None:
-        _SQ_SUMS_COMPILED = torch.compile(_sq_sums_eager, dynamic=True, fullgraph=True)
+        _SQ_SUMS_COMPILED = compile_or_eager(_sq_sums_eager, dynamic=True, fullgraph=True)
     return _SQ_SUMS_COMPILED(g, d0, *es)
 
 

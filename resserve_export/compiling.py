@@ -1,0 +1,51 @@
+"""`torch.compile` for the format core's fixed-shape graphs, with the eager function as fallback.
+
+Several of our compiled callables are partials or closures of one Python function (the MXFP4
+block quantizer per rounding, the scores' preparation per layer shape), and Dynamo keys its cache
+on the code object: they share one frame's recompile budget (8 by default), which a process that
+quantizes many shapes and formats (a test session, a model with many layer widths) exhausts, and
+with ``fullgraph=True`` that is an error. So the budget is raised once, and a call that Dynamo
+still refuses runs the eager function instead: the compiled graphs are bit-identical to it (each
+caller's tests check that), so only speed changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+RECOMPILE_LIMIT = 64
+
+
+def _raise_limits() -> None:
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name) and getattr(cfg, name) < RECOMPILE_LIMIT:
+            setattr(cfg, name, RECOMPILE_LIMIT)
+    if hasattr(cfg, "accumulated_recompile_limit") and cfg.accumulated_recompile_limit < 4 * RECOMPILE_LIMIT:
+        cfg.accumulated_recompile_limit = 4 * RECOMPILE_LIMIT
+
+
+def compile_or_eager(fn, **options):
+    """``torch.compile(fn, **options)``, falling back to `fn` itself for good once Dynamo refuses
+    a recompilation (recompile limit reached)."""
+    _raise_limits()
+    compiled = torch.compile(fn, **options)
+    state = {"eager": False}
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not state["eager"]:
+            try:
+                return compiled(*args, **kwargs)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                state["eager"] = True
+                warnings.warn("torch.compile recompile limit reached: running the eager (bit-identical) path", RuntimeWarning, stacklevel=2)
+        return fn(*args, **kwargs)
+
+    return run
+
+
+__all__ = ["RECOMPILE_LIMIT", "compile_or_eager"]
