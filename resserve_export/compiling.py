@@ -6,7 +6,10 @@ on the code object: they share one frame's recompile budget (8 by default), whic
 quantizes many shapes and formats (a test session, a model with many layer widths) exhausts, and
 with ``fullgraph=True`` that is an error. So the budget is raised once, and a call that Dynamo
 still refuses runs the eager function instead: the compiled graphs are bit-identical to it (each
-caller's tests check that), so only speed changes.
+caller's tests check that), so only speed changes. The same holds when compilation itself
+fails (an inductor error on some torch version or CPU: seen with torch 2.11 on an Intel CPU for
+the scores' preparation graph): the eager function runs from then on, and an error that is not
+the compiler's is raised again by the eager call.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import warnings
 import torch
 
 RECOMPILE_LIMIT = 64
+# Raised by Dynamo when a fullgraph function exceeds its budget (absent from older torch).
+_LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
 
 
 def _raise_limits() -> None:
@@ -40,9 +45,14 @@ def compile_or_eager(fn, **options):
         if not state["eager"]:
             try:
                 return compiled(*args, **kwargs)
-            except torch._dynamo.exc.FailOnRecompileLimitHit:
+            except _LIMIT_HIT:
                 state["eager"] = True
                 warnings.warn("torch.compile recompile limit reached: running the eager (bit-identical) path", RuntimeWarning, stacklevel=2)
+            except Exception as e:  # a compiler failure; a genuine error repeats in the eager call
+                state["eager"] = True
+                warnings.warn(
+                    f"torch.compile failed ({type(e).__name__}): running the eager (bit-identical) path", RuntimeWarning, stacklevel=2
+                )
         return fn(*args, **kwargs)
 
     return run

@@ -46,3 +46,22 @@ def test_compiled_quantizer_survives_many_configurations():
             got = formats.quantize(x, fmt, alpha=alpha, rounding=ScaleRounding(rounding), backend="compiled")
             want = formats.quantize(x, fmt, alpha=alpha, rounding=ScaleRounding(rounding), backend="reference")
             assert torch.equal(got.codes, want.codes) and torch.equal(got.scales.view(torch.uint8), want.scales.view(torch.uint8))
+
+
+def test_falls_back_to_eager_when_compilation_fails(monkeypatch):
+    """A compiler error (as inductor raised on torch 2.11 for the scores' preparation graph) runs
+    the eager function instead; an error of the function itself still reaches the caller."""
+
+    def broken_compile(fn, **options):
+        def run(*args, **kwargs):
+            raise RuntimeError("backend compiler failed")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    fn = compiling.compile_or_eager(functools.partial(_scale_add, k=2.0), fullgraph=True)
+    x = torch.randn(3, 4)
+    with pytest.warns(RuntimeWarning, match="RuntimeError"):
+        assert torch.equal(fn(x), x * 2.0 + 1.0)
+    with pytest.raises(TypeError):
+        fn("not a tensor")
