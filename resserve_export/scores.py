@@ -44,6 +44,7 @@ from . import mxfp4, nvfp4
 from .constants import BLOCK
 from .mxfp4 import ScaleRounding
 from .nvfp4 import global_scale
+from .qtensor import FP4Tensor
 from .selection import check_ratio, mask_to_indices, mode_of, select_mask
 
 METHODS = ("kl", "grad")
@@ -201,8 +202,9 @@ class Candidates:
         twice = self._fast_weights(0)[0].shape[1] > 2 * x.shape[-1]
         backend = backend or self.backend
         if backend == "auto":
-            fast = x.device.type == "cpu" and x.numel() >= (1 << 16) and os.environ.get("RESSERVE_BACKEND", "") != "reference"
-            backend = "compiled" if fast else "reference"
+            backend = _prepare_backend(x)
+        if backend == "kernel":
+            return self._prepare_with_kernel(x, comp, modes, widths, twice)
         if backend == "compiled":
             fn = _compiled_prepare(self.fmt, self.rounding, modes, widths, twice)
             alpha = (self.input_alpha if self.input_alpha is not None else torch.ones(())).float().reshape(())
@@ -232,6 +234,35 @@ class Candidates:
             )
             extra[r] = exact_operand(rq)
         return a0, extra
+
+    def _prepare_with_kernel(self, x, comp, modes, widths, twice):
+        """`prepare_fast` through the fused CUDA kernel (bit-identical to the reference: it is
+        checked against `kext.extended_activation` / `kext.full_residue` bit for bit): one launch
+        per compensated ratio gives X̂ and that ratio's residue operand."""
+        from . import kernel
+
+        K = x.shape[-1]
+        b = BLOCK[self.fmt]
+        dev = self.__dict__.setdefault("_kernel_args", {})
+        if x.device not in dev:  # α and the masks on the GPU once, not per call
+            alpha = None if self.input_alpha is None else self.input_alpha.to(x.device)
+            dev[x.device] = (alpha, {r: m.to(x.device) for r, m in self.masks.items()})
+        alpha, masks = dev[x.device]
+        xq, extra = None, {}
+        for r, mode, width in zip(comp, modes, widths):
+            if mode == "full":
+                base, rq = kernel.quantize_full(x, self.fmt, alpha=alpha, rounding=self.rounding, backend="cuda")
+            else:
+                q = kernel.quantize_extend(x, masks[r], r, self.fmt, alpha=alpha, rounding=self.rounding, backend="cuda")
+                base = FP4Tensor(q.fmt, q.codes[:, : K // 2], q.scales[:, : K // b], q.global_scale)
+                rq = FP4Tensor(q.fmt, q.codes[:, K // 2 :], q.scales[:, K // b :], q.global_scale)
+                assert rq.shape[-1] == width
+            xq = base if xq is None else xq
+            extra[r] = exact_operand(rq)
+        if xq is None:
+            xq = quantize(x, self.fmt, alpha=alpha, rounding=self.rounding, backend="reference")
+        xb = x.to(torch.bfloat16)
+        return torch.cat([exact_operand(xq), xb] + ([xb] if twice else []), dim=1), extra
 
     def member_scores_fast(self, prepared, i: int, grad: torch.Tensor) -> dict[float, float]:
         """{ρ: Σ (∂L/∂Y ⊙ (Y_q(ρ) − Y))²} of member i for a `prepare_fast` and ∂L/∂Y ``[M, N]``."""
@@ -315,6 +346,22 @@ def _prepare_body(x, alpha, idxs, *, fmt: str, rounding: ScaleRounding, modes: t
         c, s = quant(src)
         ops.append(deq(c, s, one).reshape(M, width).to(torch.bfloat16))
     return a0, ops
+
+
+def _prepare_backend(x: torch.Tensor) -> str:
+    """`prepare_fast`'s ``auto``: the compiled graph on CPU for inputs of ≥ 2^16 elements, the fused
+    CUDA kernel for bf16/fp16 CUDA inputs when it can run, else the eager reference;
+    ``RESSERVE_BACKEND=reference`` forces the reference."""
+    if os.environ.get("RESSERVE_BACKEND", "") == "reference":
+        return "reference"
+    if x.device.type == "cpu":
+        return "compiled" if x.numel() >= (1 << 16) else "reference"
+    if x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16) and x.is_contiguous():
+        from . import kernel
+
+        if kernel.KERNEL_AVAILABLE:
+            return "kernel"
+    return "reference"
 
 
 # Rows per compiled `prepare_fast` call (static shapes vectorise ~2.5x better than dynamic ones).

@@ -333,6 +333,24 @@ def test_fast_prepare_compiled_is_bit_identical(tiny):
         assert set(ea) == set(eb) and all(torch.equal(ea[r], eb[r]) for r in ea)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("resserve_export.kernel").kernel.KERNEL_AVAILABLE, reason="needs a CUDA GPU and nvcc for the fused kernel")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fast_prepare_with_the_kernel_is_bit_identical(tiny, fmt):
+    """On a GPU `prepare_fast` quantizes through the fused kernel: the same operands as the eager
+    reference, bit for bit, and what `auto` picks for bf16 CUDA inputs."""
+    model, groups, _, stats, _ = tiny
+    cands = S.build_candidates(model, groups, stats, RATIOS, fmt=fmt)
+    for g in (groups[0], groups[3]):  # K = 64 (three members) and K = 128
+        c = cands[g.modules]
+        x = (torch.randn(300, c.linears[0].in_features) * 3).bfloat16().cuda()
+        assert S._prepare_backend(x) == "kernel"
+        a0, ea = c.prepare_fast(x, backend="reference")
+        b0, eb = c.prepare_fast(x, backend="kernel")
+        assert torch.equal(a0, b0)
+        assert set(ea) == set(eb) and all(torch.equal(ea[r], eb[r]) for r in ea)
+
+
 @pytest.fixture(scope="module")
 def tiny_bf16():
     model = tiny_model().to(torch.bfloat16)
