@@ -85,6 +85,7 @@ class CalibConfig:
     dtype: str = "bfloat16"
     scores: str = "none"
     score_samples: int = 32
+    score_precision: str = "auto"
     format: str = "nvfp4"
 
     def validate(self) -> CalibConfig:
@@ -98,6 +99,10 @@ class CalibConfig:
             raise UserError(f"--scores must be one of {', '.join(SCORE_METHODS)}, got {self.scores!r}")
         if self.format not in FORMATS:
             raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        from .scores import PRECISIONS as SCORE_PRECISIONS
+
+        if self.score_precision not in SCORE_PRECISIONS:
+            raise UserError(f"--score-precision must be one of {', '.join(SCORE_PRECISIONS)}, got {self.score_precision!r}")
         if self.dtype not in DTYPES:
             raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         return self
@@ -527,7 +532,8 @@ def calibrate(
             from .scores import compute_scores
 
             scores = compute_scores(
-                net, batches, stats, groups, config.scores, list(RATIOS), config.format, config.score_samples, show_progress=show_progress
+                net, batches, stats, groups, config.scores, list(RATIOS), config.format, config.score_samples,
+                show_progress=show_progress, precision=config.score_precision,
             )
     finally:
         if offload is not None:

@@ -84,6 +84,20 @@ def test_seq_len_zero(tiny, tmp_path, capsys, texts):
     assert "--seq-len must be a positive integer, got 0" in one_line_error(capsys)
 
 
+def test_unknown_score_precision(tiny, tmp_path, capsys, texts):
+    assert cli(*base(tiny, tmp_path / "out", texts), "--scores", "grad", "--score-precision", "fp16") == 2
+    assert "--score-precision must be one of auto, fp32, bf16, got 'fp16'" in one_line_error(capsys)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_score_precision_is_used_and_recorded(tiny, tmp_path, texts, precision):
+    out = tmp_path / "out"
+    cli_ok(*base(tiny, out, texts), "--dtype", "bfloat16", "--scores", "grad", "--score-samples", "2", "--score-precision", precision)
+    rec = json.loads((out / "scores.json").read_text())
+    assert rec["precision"] == precision and rec["method"] == "grad"
+
+
 def test_unknown_preset_lists_names(tiny, tmp_path, capsys, texts):
     assert cli(*base(tiny, tmp_path / "out", texts), "--config", "nope") == 2
     err = one_line_error(capsys)
