@@ -438,6 +438,61 @@ def build_candidates(
     return out
 
 
+# Bytes the candidates of one weight element take: FP32 dequantized base and extensions (≈ 4 + 3.5)
+# plus the FP4 tensors; the bf16 path adds its bf16 operands (≈ 8 more).
+_BYTES_PER_WEIGHT = {"fp32": 8.5, "bf16": 16.5}
+
+
+def default_budget(device: torch.device) -> int:
+    """Bytes the scores may spend on kept candidates: half the memory free on `device` now
+    (``RESSERVE_SCORE_MEMORY_GB`` overrides)."""
+    env = os.environ.get("RESSERVE_SCORE_MEMORY_GB")
+    if env:
+        return int(float(env) * 2**30)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0] * 0.5)
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.5)
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30
+
+
+class CandidatePool:
+    """Candidates built on demand, memory-bounded: groups are kept (in the order first asked
+    for) while their estimated size fits `budget` bytes; any other group is built when asked for
+    and dropped by the caller after use, so a model whose candidates do not fit is scored with
+    one extra group at a time, at the price of quantizing those groups' weights once per batch.
+    Built candidates are the same either way (deterministic), so the scores are too."""
+
+    def __init__(self, model, groups, stats, ratios, fmt, rounding, budget: int, bytes_per_weight: float):
+        self.model, self.stats, self.ratios, self.fmt, self.rounding = model, stats, ratios, fmt, ScaleRounding(rounding)
+        self.groups = {g.modules: g for g in groups}
+        self.budget, self.bytes_per_weight = budget, bytes_per_weight
+        self.kept: dict[tuple[str, ...], Candidates] = {}
+        self.used, self.builds = 0, 0
+
+    def __getitem__(self, key: tuple[str, ...]) -> Candidates:
+        if key in self.kept:
+            return self.kept[key]
+        g = self.groups[key]
+        cand = Candidates(self.model, g, self.stats, self.ratios, self.fmt, self.rounding)
+        self.builds += 1
+        size = g.weight_count * self.bytes_per_weight
+        if self.used + size <= self.budget:
+            self.kept[key] = cand
+            self.used += size
+        return cand
+
+    def prebuild(self, order, progress=None) -> None:
+        """Build (and keep) the groups that fit, in `order`, reporting ``progress(done, total)``."""
+        order = list(order)
+        for k, key in enumerate(order):
+            if key not in self.kept and self.used + self.groups[key].weight_count * self.bytes_per_weight <= self.budget:
+                self[key]
+            if progress is not None:
+                progress(k + 1, len(order))
+
+
 @contextmanager
 def quantized(model: nn.Module, cands: dict, ratios: dict[tuple[str, ...], float]):
     """Install several groups at their ratios at once (e.g. a whole plan) and restore on exit."""
@@ -533,8 +588,9 @@ def _kl_scores(model, batches, groups, cands, ratios, step) -> dict:
 
         for g in groups:
             layer = _layer_of(g.modules[0], prefix) if fast else None
+            cand = cands[g.modules]
             for r in ratios:
-                with torch.no_grad(), cands[g.modules].installed(model, r):
+                with torch.no_grad(), cand.installed(model, r):
                     if layer is not None:
                         logits = tail(layer)
                     else:
@@ -542,6 +598,7 @@ def _kl_scores(model, batches, groups, cands, ratios, step) -> dict:
                 sums[g.modules][r] += _kl_sum(ref_logp, logits, valid)
                 del logits
                 step()
+            del cand
     return {k: {r: s / max(tokens, 1) for r, s in v.items()} for k, v in sums.items()}
 
 
@@ -567,12 +624,14 @@ def _grad_scores(model, batches, groups, cands, ratios, step, precision: str = "
             hooks = []
 
             for g in groups:
-                cand = cands[g.modules]
                 # Fused members read the same input: prepare it once, at the first member's gradient.
-                shared = {"prepared": None, "left": 0}
-                for i, lin in enumerate(cand.linears):
+                # The group's candidates are looked up there too and released after its last
+                # member (a memory-bounded pool may have built them for this batch only).
+                shared = {"prepared": None, "left": 0, "cand": None}
+                for i, m in enumerate(g.modules):
+                    lin = model.get_submodule(m)
 
-                    def fwd(mod, args, out, cand=cand, i=i, key=g.modules, shared=shared):
+                    def fwd(mod, args, out, i=i, key=g.modules, shared=shared):
                         if not out.requires_grad:
                             return
                         x = args[0].detach()
@@ -581,6 +640,9 @@ def _grad_scores(model, batches, groups, cands, ratios, step, precision: str = "
 
                         def on_grad(grad):
                             x2 = x.reshape(-1, x.shape[-1])
+                            if shared["cand"] is None:
+                                shared["cand"] = cands[key]
+                            cand = shared["cand"]
                             if fast:
                                 if shared["prepared"] is None:
                                     shared["prepared"] = cand.prepare_fast(x2)
@@ -597,7 +659,7 @@ def _grad_scores(model, batches, groups, cands, ratios, step, precision: str = "
                                     sums[key][r] += float(torch.sum(d * d))
                             shared["left"] -= 1
                             if shared["left"] == 0:
-                                shared["prepared"] = None
+                                shared["prepared"] = shared["cand"] = None
 
                         out.register_hook(on_grad)
 
@@ -636,6 +698,7 @@ def compute_scores(
     progress: Callable[[int, int], None] | None = None,
     show_progress: bool = True,
     candidates: dict | None = None,
+    memory_budget: int | None = None,
     precision: str = "auto",
 ) -> dict:
     """The content of ``scores.json`` (see the module docstring and the calibration contract).
@@ -645,7 +708,9 @@ def compute_scores(
     num_samples: score on the first `num_samples` sequences of `batches` only (None: all).
     progress: called as ``progress(done, total)`` in (batch, group, ratio) units; without it a
     rich progress bar is shown when `show_progress`.
-    candidates: prebuilt `build_candidates(...)` for these groups and ratios (reused across calls).
+    candidates: prebuilt `build_candidates(...)` for these groups and ratios (reused across calls);
+    without it a memory-bounded `CandidatePool` keeps the groups that fit `memory_budget` bytes
+    (default: `default_budget`, half the free memory) and rebuilds the others per batch.
     precision: arithmetic of the grad method's candidate products: ``fp32`` (the emulated linear's
     own FP32 products, bit for bit, minus the module's output), ``bf16`` (the exact FP4 operands
     in bf16 GEMMs with FP32 accumulation, see `Candidates.prepare_fast`: within ~2e-4 of a float64
@@ -696,7 +761,11 @@ def compute_scores(
     try:
         if candidates is None:
             wprog = (lambda d, t: bar.update(wtask, completed=d)) if bar is not None else None
-            candidates = build_candidates(model, groups, stats, ratios, fmt, rounding, progress=wprog)
+            budget = default_budget(_device_of(model)) if memory_budget is None else int(memory_budget)
+            bpw = _BYTES_PER_WEIGHT["bf16" if method == "grad" and precision == "bf16" else "fp32"]
+            candidates = CandidatePool(model, groups, stats, ratios, fmt, rounding, budget, bpw)
+            # The grad hooks visit the groups last layer first: keep those that fit from there.
+            candidates.prebuild([g.modules for g in (reversed(groups) if method == "grad" else groups)], wprog)
         elif bar is not None:
             bar.update(wtask, completed=len(groups))
         if method == "kl":
@@ -785,4 +854,4 @@ def _finite(v: float, g: Group) -> float:
     return float(v)
 
 
-__all__ = ["METHODS", "PRECISIONS", "DEFAULT_RATIOS", "Candidates", "build_candidates", "compute_scores", "evaluate_kl", "evaluate_kls", "quantized", "ratio_key", "resolve_precision"]
+__all__ = ["METHODS", "PRECISIONS", "DEFAULT_RATIOS", "CandidatePool", "Candidates", "default_budget", "build_candidates", "compute_scores", "evaluate_kl", "evaluate_kls", "quantized", "ratio_key", "resolve_precision"]

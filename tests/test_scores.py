@@ -405,3 +405,32 @@ def test_precision_choice(tiny):
         S.compute_scores(model, batches, stats, groups[:1], "grad", candidates=cands, show_progress=False, precision="fp8")
     sc = S.compute_scores(model, batches[:1], stats, groups[:1], "grad", candidates=cands, show_progress=False)
     assert sc["precision"] == "fp32"  # the tiny model is FP32: auto keeps the exact FP32 path
+
+
+@pytest.mark.parametrize("method,precision", [("grad", "fp32"), ("grad", "bf16"), ("kl", "auto")])
+def test_memory_bounded_pool_gives_the_same_scores(tiny, tiny_bf16, method, precision, monkeypatch):
+    """With no room for any group's candidates the pool rebuilds every group for every batch and
+    drops it after use; the scores are the same bits as with every group kept."""
+    model, groups, batches, stats = tiny_bf16 if precision == "bf16" else tiny[:4]
+    builds = []
+    real_init = S.CandidatePool.__getitem__
+
+    def counting(self, key):
+        builds.append(key not in self.kept)
+        return real_init(self, key)
+
+    monkeypatch.setattr(S.CandidatePool, "__getitem__", counting)
+    kept = S.compute_scores(model, batches, stats, groups, method, show_progress=False, precision=precision, memory_budget=1 << 40)
+    n_kept = sum(builds)
+    builds.clear()
+    tight = S.compute_scores(model, batches, stats, groups, method, show_progress=False, precision=precision, memory_budget=0)
+    assert n_kept == len(groups)  # built once each, up front
+    assert sum(builds) == len(groups) * len(batches)  # rebuilt for every batch
+    assert [g["scores"] for g in tight["groups"]] == [g["scores"] for g in kept["groups"]]
+
+
+def test_default_budget_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("RESSERVE_SCORE_MEMORY_GB", "1.5")
+    assert S.default_budget(torch.device("cpu")) == int(1.5 * 2**30)
+    monkeypatch.delenv("RESSERVE_SCORE_MEMORY_GB")
+    assert S.default_budget(torch.device("cpu")) > 0
