@@ -392,11 +392,10 @@ template <int FMT, int KSEL>
 __device__ __forceinline__ void process_row_fast(const Params& p, const float (&f)[kGroup], float amax,
                                                  const int64_t row, const int g, const bool has_input,
                                                  const int (&pick)[KSEL > 0 && KSEL < 8 ? KSEL : 1], float* spill,
-                                                 const Tensor& c) {
+                                                 float* ext_row, const Tensor& c) {
   constexpr int B = FMT == kNVFP4 ? 16 : 32;
   constexpr int BASE_LANES = B / kGroup;
   constexpr int KS = KSEL == 0 ? 1 : KSEL;
-  constexpr int RES_LANES = KSEL == 8 ? BASE_LANES : B / KS;
   const int W = p.K + p.KE;
 
   float r[kGroup];  // full: residues; K-Ext: grid magnitudes
@@ -424,26 +423,63 @@ __device__ __forceinline__ void process_row_fast(const Params& p, const float (&
   // K-Ext: the residues of the selected channels only, in ascending channel order. Inputs and
   // grid magnitudes go through this thread's slots in shared memory (`pick`: the word offset of
   // each slot's input, its magnitude kSpillM words further; a missing bit reads zeros).
-  float sel[KS], unused[KS];
   float4* s4 = reinterpret_cast<float4*>(spill);
   s4[threadIdx.x] = make_float4(f[0], f[1], f[2], f[3]);
   s4[kThreads + threadIdx.x] = make_float4(f[4], f[5], f[6], f[7]);
   s4[kSpillM / 4 + threadIdx.x] = make_float4(r[0], r[1], r[2], r[3]);
   s4[kSpillM / 4 + kThreads + threadIdx.x] = make_float4(r[4], r[5], r[6], r[7]);
+  // Quantized later, rows together (`extension_fast`): this thread's KS residues of this row.
 #pragma unroll
-  for (int k = 0; k < KS; ++k) sel[k] = residue_fast(spill[pick[k]], spill[pick[k] + kSpillM], d);
-  const float ra = lane_max<RES_LANES>(abs_max(sel));
-  const uint32_t ext = quantize_fast<FMT, RES_LANES, KS, 0>(sel, ra, c, &sbyte, unused);
-  const int pos = g * KS;
-  uint8_t* ext_codes = p.codes + row * (W / 2) + p.K / 2;
-  if (KS == 1) {
-    const uint32_t hi = __shfl_down_sync(kFull, ext, 1);
-    if ((g & 1) == 0 && pos < p.KE) ext_codes[pos / 2] = static_cast<uint8_t>(ext | (hi << 4));
-  } else if (pos < p.KE) {
-    if (KS == 2) ext_codes[pos / 2] = static_cast<uint8_t>(ext);
-    else *reinterpret_cast<uint16_t*>(ext_codes + pos / 2) = static_cast<uint16_t>(ext);
+  for (int k = 0; k < KS; ++k) ext_row[k] = residue_fast(spill[pick[k]], spill[pick[k] + kSpillM], d);
+}
+
+// The extension blocks of ROWS rows, quantized with the rows' residues transposed across the
+// warp: the warp's rows hold 32*KS*ROWS selected residues (row by row, ascending position), and
+// lane l quantizes V = KS*ROWS consecutive ones, positions l*V..l*V+V-1, so a residue block spans
+// B/V lanes and each lane computes one block scale per ROWS rows instead of ROWS of them.
+// `buf` is the warp's transposition buffer; `live`: bit i set when row row0+i took the fast path.
+template <int FMT, int KS, int ROWS>
+__device__ __forceinline__ void extension_fast(const Params& p, const float* buf, const int64_t row0, const int g,
+                                               const unsigned live, const Tensor& c) {
+  constexpr int B = FMT == kNVFP4 ? 16 : 32;
+  constexpr int V = KS * ROWS;
+  constexpr int LANES = B / V;  // lanes per residue block
+  constexpr int N = V < 8 ? V : 8;
+  const int lane = threadIdx.x & 31;
+  const int i = lane * ROWS / 32;  // this lane's row
+  const int pos = (g - lane) * KS + (lane * V) % (32 * KS);  // first extension position
+  float v[V];
+#pragma unroll
+  for (int t = 0; t < V; ++t) v[t] = buf[lane * V + t];
+  const float amax = lane_max<LANES>(abs_max(v));
+  float d, y;
+  uint8_t byte;
+  block_scale<FMT>(amax, c, &d, &y, &byte);
+  uint32_t code[V / N];
+#pragma unroll
+  for (int h = 0; h < V / N; ++h) {
+    float part[N], unused[N];
+#pragma unroll
+    for (int t = 0; t < N; ++t) part[t] = v[h * N + t];
+    code[h] = encode_fast<FMT, N, 0>(part, d, y, unused);
   }
-  if (g % RES_LANES == 0 && pos < p.KE) p.scales[row * (W / B) + p.K / B + pos / B] = sbyte;
+  const uint32_t hi = V == 1 ? __shfl_down_sync(kFull, code[0], 1) : 0u;
+  const int64_t row = row0 + i;
+  if (!((live >> i) & 1u) || pos >= p.KE) return;
+  const int W = p.K + p.KE;
+  uint8_t* ext = p.codes + row * (W / 2) + p.K / 2 + pos / 2;
+  if (V == 1) {
+    if ((lane & 1) == 0) *ext = static_cast<uint8_t>(code[0] | (hi << 4));
+  } else if (V == 2) {
+    *ext = static_cast<uint8_t>(code[0]);
+  } else if (V == 4) {
+    *reinterpret_cast<uint16_t*>(ext) = static_cast<uint16_t>(code[0]);
+  } else if (V == 8) {
+    *reinterpret_cast<uint32_t*>(ext) = code[0];
+  } else {
+    *reinterpret_cast<uint2*>(ext) = make_uint2(code[0], code[V / N - 1]);
+  }
+  if (pos % B == 0) p.scales[row * (W / B) + p.K / B + pos / B] = byte;
 }
 
 // ---------------------------------------------------------------- kernel
@@ -490,6 +526,12 @@ __global__ void __launch_bounds__(kThreads) quantize_extend_kernel(const Params 
     }
   }
 
+  // The warps' transposition buffers for the extension (see extension_fast).
+  constexpr bool KEXT = KSEL > 0 && KSEL < 8;
+  __shared__ float xbuf[KEXT ? kThreads * KW * ROWS : 1];
+  float* wbuf = xbuf + (threadIdx.x / 32) * 32 * KW * ROWS;
+  const int lane = threadIdx.x & 31;
+
   for (int64_t row0 = static_cast<int64_t>(blockIdx.y) * ROWS; row0 < p.M;
        row0 += static_cast<int64_t>(gridDim.y) * ROWS) {
     uint4 raw[ROWS];
@@ -498,6 +540,7 @@ __global__ void __launch_bounds__(kThreads) quantize_extend_kernel(const Params 
       raw[i] = make_uint4(0u, 0u, 0u, 0u);
       if (has_input && row0 + i < p.M) raw[i] = __ldcs(reinterpret_cast<const uint4*>(x + (row0 + i) * p.K));
     }
+    unsigned live = 0;  // rows on the fast path, whose extension is still to be quantized
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
       if (row0 + i >= p.M) continue;  // uniform across the CTA: one row at a time
@@ -507,8 +550,17 @@ __global__ void __launch_bounds__(kThreads) quantize_extend_kernel(const Params 
       bool ok = fast_tensor;
       if (FMT == kNVFP4) ok = ok && amax <= c.bound;
       else ok = ok && mxfp4_exponent(amax, p.rounding) <= 14;
-      if (__all_sync(kFull, ok)) process_row_fast<FMT, KSEL>(p, f, amax, row0 + i, g, has_input, pick, spill, c);
-      else process_row<BF16, FMT, KSEL>(p, raw[i], row0 + i, g, has_input, mask, alpha, six_alpha);
+      if (__all_sync(kFull, ok)) {
+        process_row_fast<FMT, KSEL>(p, f, amax, row0 + i, g, has_input, pick, spill, wbuf + i * 32 * KW + lane * KW, c);
+        live |= 1u << i;
+      } else {
+        process_row<BF16, FMT, KSEL>(p, raw[i], row0 + i, g, has_input, mask, alpha, six_alpha);
+      }
+    }
+    if (KEXT) {
+      __syncwarp();
+      extension_fast<FMT, KW, ROWS>(p, wbuf, row0, g, live, c);
+      __syncwarp();  // the buffer is rewritten by the next rows
     }
   }
 }
@@ -560,7 +612,8 @@ extern "C" int resserve_quantize_extend(const void* x, int is_bf16, int64_t M, i
   if (M == 0) return cudaSuccess;
   if (!x || !codes || !scales || (fmt == kNVFP4 && !alpha) || (partial && !mask) || (ksel == 8 && (!rcodes || !rscales)))
     return cudaErrorInvalidValue;
-  if (reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(codes) % 4 ||
+  // codes: 4-byte stores, 8-byte ones for the extension at 4 selected channels per group.
+  if (reinterpret_cast<uintptr_t>(x) % 16 || reinterpret_cast<uintptr_t>(codes) % (ksel == 4 ? 8 : 4) ||
       (ksel == 8 && reinterpret_cast<uintptr_t>(rcodes) % 4))
     return cudaErrorMisalignedAddress;
   Params p{x, mask, alpha, codes, scales, rcodes, rscales, M, K, KE, rounding, 0};
