@@ -13,8 +13,13 @@
 // never straddles rows and lane l holds group 32w + l. Block amax is reduced with warp shuffles
 // over adjacent lanes: NVFP4 (16) = 2 lanes, MXFP4 (32) = 4 lanes. With k = 8*ratio channels
 // selected in every group, group g's residues land at compacted positions g*k .. g*k + k - 1,
-// so a residue block of B values spans B/k adjacent lanes (again a shuffle reduction).
+// so a residue block of B values spans B/k adjacent lanes (again a shuffle reduction); that is the
+// exact path's layout. The fast path first collects the residues of the ROWS rows a thread loads
+// together and quantizes them transposed (`extension_fast`): lane l takes k*ROWS consecutive
+// ones, so a residue block spans B/(k*ROWS) lanes and one block scale serves ROWS rows' worth.
 // Lanes past the last group (up to K_E/k) carry zero residues and write the zero padding.
+// The fast path takes a row when its inputs meet the conditions under "fast path" below; a warp
+// whose row does not runs the exact path for that row.
 //
 // Arithmetic is the reference's, operation for operation (nvfp4.py, mxfp4.py, fp4.py), written
 // with explicit round-to-nearest intrinsics so that no multiply is fused into an add; build with
