@@ -83,6 +83,27 @@ def bench_solve(repeat: int) -> list[str]:
     return lines
 
 
+def forward_backward(model, batches) -> None:
+    """The floor of any grad method: forward + backward of the scores' loss (summed next-token
+    cross-entropy over valid targets), input gradients only, no score hooks."""
+    import torch
+
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in flags:
+        p.requires_grad_(False)
+    try:
+        for b in batches:
+            ids, mask = b["input_ids"], b["attention_mask"]
+            emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+            logits = model(inputs_embeds=emb, attention_mask=mask, use_cache=False).logits
+            lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+            ok = mask[:, 1:].bool() & mask[:, :-1].bool()
+            (-lp.gather(-1, ids[:, 1:, None]).squeeze(-1))[ok].sum().backward()
+    finally:
+        for p, f in flags:
+            p.requires_grad_(f)
+
+
 def bench_scores(samples: int, seq_len: int, batch_size: int, kl_groups: int, repeat: int) -> list[str]:
     import torch
 
@@ -113,20 +134,7 @@ def bench_scores(samples: int, seq_len: int, batch_size: int, kl_groups: int, re
 
     # The floor of any grad method: forward + backward of the same loss with no score hooks.
     def fwd_bwd():
-        flags = [(p, p.requires_grad) for p in model.parameters()]
-        for p, _ in flags:
-            p.requires_grad_(False)
-        try:
-            for b in batches:
-                ids, mask = b["input_ids"], b["attention_mask"]
-                emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
-                logits = model(inputs_embeds=emb, attention_mask=mask, use_cache=False).logits
-                lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-                ok = mask[:, 1:].bool() & mask[:, :-1].bool()
-                (-lp.gather(-1, ids[:, 1:, None]).squeeze(-1))[ok].sum().backward()
-        finally:
-            for p, f in flags:
-                p.requires_grad_(f)
+        forward_backward(model, batches)
 
     floor = []
     for _ in range(repeat):
@@ -219,20 +227,7 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
     t_build = time.perf_counter() - t
 
     def fwd_bwd():
-        flags = [(p, p.requires_grad) for p in model.parameters()]
-        for p, _ in flags:
-            p.requires_grad_(False)
-        try:
-            for b in batches:
-                ids, mask = b["input_ids"], b["attention_mask"]
-                emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
-                logits = model(inputs_embeds=emb, attention_mask=mask, use_cache=False).logits
-                lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-                ok = mask[:, 1:].bool() & mask[:, :-1].bool()
-                (-lp.gather(-1, ids[:, 1:, None]).squeeze(-1))[ok].sum().backward()
-        finally:
-            for p, f in flags:
-                p.requires_grad_(f)
+        forward_backward(model, batches)
 
     t_floor, _ = timed(fwd_bwd)
     grad = {}
