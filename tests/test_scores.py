@@ -159,6 +159,32 @@ def test_padding_is_ignored(tiny, method):
             assert math.isclose(a["scores"][k], b["scores"][k], rel_tol=1e-4, abs_tol=1e-12), (a["modules"], k)
 
 
+def _outputs_with_grads(model, groups, b, masked: bool):
+    """An independent oracle's forward + backward of the summed next-token NLL on batch `b`:
+    {(group, member): (input, output with .grad)} for every group member, and the token count
+    (targets whose mask is set when `masked`, else every target)."""
+    outs, hooks = {}, []
+    for g in groups:
+        for i, name in enumerate(g.modules):
+            def hook(mod, args, out, key=(g.modules, i)):
+                out.retain_grad()
+                outs[key] = (args[0].detach(), out)
+            hooks.append(model.get_submodule(name).register_forward_hook(hook))
+    logits = model(**b).logits
+    for h in hooks:
+        h.remove()
+    lp = torch.log_softmax(logits[:, :-1].float(), -1)
+    nll = -lp.gather(-1, b["input_ids"][:, 1:, None]).squeeze(-1)
+    if masked:
+        ok = b["attention_mask"][:, 1:].bool()
+        nll, n = nll[ok], int(ok.sum())
+    else:
+        n = int(nll.numel())
+    nll.sum().backward()
+    model.zero_grad(set_to_none=True)
+    return outs, n
+
+
 def test_grad_scores_match_autograd_reference(tiny):
     """Σ(∂L/∂Y ⊙ (Y_q − Y))² from retain_grad on each linear output, computed independently."""
     model, groups, batches, stats, cands = tiny
@@ -166,23 +192,8 @@ def test_grad_scores_match_autograd_reference(tiny):
     ref = {g.modules: {r: 0.0 for r in RATIOS} for g in groups}
     tokens = 0
     for b in batches:
-        outs = {}
-        hooks = []
-        for g in groups:
-            for i, name in enumerate(g.modules):
-                def hook(mod, args, out, key=(g.modules, i)):
-                    out.retain_grad()
-                    outs[key] = (args[0].detach(), out)
-                hooks.append(model.get_submodule(name).register_forward_hook(hook))
-        logits = model(**b).logits
-        for h in hooks:
-            h.remove()
-        lp = torch.log_softmax(logits[:, :-1].float(), -1)
-        nll = -lp.gather(-1, b["input_ids"][:, 1:, None]).squeeze(-1)
-        ok = b["attention_mask"][:, 1:].bool()
-        tokens += int(ok.sum())
-        nll[ok].sum().backward()
-        model.zero_grad(set_to_none=True)
+        outs, n = _outputs_with_grads(model, groups, b, masked=True)
+        tokens += n
         for (key, i), (x, y) in outs.items():
             x2 = x.reshape(-1, x.shape[-1])
             for r in RATIOS:
@@ -371,21 +382,8 @@ def test_fast_grad_scores_match_float64_oracle(tiny_bf16, fmt):
     ref = {g.modules: {r: 0.0 for r in RATIOS} for g in groups}
     tokens = 0
     for b in batches:
-        outs, hooks = {}, []
-        for g in groups:
-            for i, name in enumerate(g.modules):
-                def hook(mod, args, out, key=(g.modules, i)):
-                    out.retain_grad()
-                    outs[key] = (args[0].detach(), out)
-                hooks.append(model.get_submodule(name).register_forward_hook(hook))
-        logits = model(**b).logits
-        for h in hooks:
-            h.remove()
-        lp = torch.log_softmax(logits[:, :-1].float(), -1)
-        nll = -lp.gather(-1, b["input_ids"][:, 1:, None]).squeeze(-1)
-        tokens += int(nll.numel())
-        nll.sum().backward()
-        model.zero_grad(set_to_none=True)
+        outs, n = _outputs_with_grads(model, groups, b, masked=False)
+        tokens += n
         for (key, i), (x, y) in outs.items():
             o = _oracle_member(cands[key], x.reshape(-1, x.shape[-1]), i, y.grad.reshape(-1, y.shape[-1]))
             for r in RATIOS:
