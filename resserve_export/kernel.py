@@ -120,27 +120,6 @@ def _alpha(x: torch.Tensor, alpha) -> torch.Tensor:
     return torch.as_tensor(alpha, dtype=torch.float32).reshape(()).to(x.device)
 
 
-def _reference_extend(x, mask, ratio: float, fmt: str, alpha, rounding) -> FP4Tensor:
-    """`kext.extended_activation`, step for step, but through `formats.quantize`'s default backend,
-    which on the CPU runs large tensors through its compiled (bit-identical) path."""
-    from .formats import quantize
-
-    base = quantize(x, fmt, alpha=alpha, rounding=rounding)
-    K_E = kext.ext_width(x.shape[-1], ratio, fmt)
-    if K_E == 0:
-        return base
-    ext = quantize(kext._compact(kext.residue(x, base), mask, K_E), fmt, alpha=base.global_scale, rounding=rounding)
-    return FP4Tensor.cat([base, ext])
-
-
-def _reference_full(x, fmt: str, alpha, rounding) -> tuple[FP4Tensor, FP4Tensor]:
-    """`kext.full_residue` through `formats.quantize`'s default backend (see `_reference_extend`)."""
-    from .formats import quantize
-
-    base = quantize(x, fmt, alpha=alpha, rounding=rounding)
-    return base, quantize(kext.residue(x, base), fmt, alpha=base.global_scale, rounding=rounding)
-
-
 def _check_mask(mask: torch.Tensor, K: int, k: int, device) -> torch.Tensor:
     if mask.dtype != torch.uint8 or mask.numel() != K // SELECTION_GROUP:
         raise ValueError(f"mask must be uint8 [{K // SELECTION_GROUP}], got {mask.dtype} {tuple(mask.shape)}")
@@ -213,9 +192,9 @@ def quantize_extend(
     if _pick(x, backend) == "reference":
         if fmt == "nvfp4":
             alpha = _alpha(x, alpha)
-        if x.device.type == "cpu":
-            return _reference_extend(x, mask, ratio, fmt, alpha, rounding)
-        return kext.extended_activation(x, mask, ratio, fmt, alpha=alpha, rounding=rounding)
+        # On the CPU, large tensors take formats.quantize's compiled (bit-identical) path.
+        backend = "auto" if x.device.type == "cpu" else "reference"
+        return kext.extended_activation(x, mask, ratio, fmt, alpha=alpha, rounding=rounding, backend=backend)
     x2, a = _prepare(x, fmt, alpha)
     K = x2.shape[-1]
     K_E = kext.ext_width(K, ratio, fmt)
@@ -241,9 +220,8 @@ def quantize_full(
     if _pick(x, backend) == "reference":
         if fmt == "nvfp4":
             alpha = _alpha(x, alpha)
-        if x.device.type == "cpu":
-            return _reference_full(x, fmt, alpha, rounding)
-        return kext.full_residue(x, fmt, alpha=alpha, rounding=rounding)
+        backend = "auto" if x.device.type == "cpu" else "reference"
+        return kext.full_residue(x, fmt, alpha=alpha, rounding=rounding, backend=backend)
     x2, a = _prepare(x, fmt, alpha)
     codes, scales, rcodes, rscales = _run(x2, None, 8, fmt, a, rounding, 0)
     lead = x.shape[:-1]

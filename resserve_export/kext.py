@@ -78,24 +78,32 @@ def extended_activation(
     fmt: str,
     alpha: torch.Tensor | None = None,
     rounding: ScaleRounding | str = ScaleRounding.CEIL,
+    backend: str = "reference",
 ) -> FP4Tensor:
     """``[X̂ | R̂_S | 0]``: base codes and scales, then the selected residues quantized with the
-    base α (NVFP4) in their own blocks, width K + K_E. Plain and full ratios return X̂ alone."""
-    base = quantize(x, fmt, alpha=alpha, rounding=rounding, backend="reference")
+    base α (NVFP4) in their own blocks, width K + K_E. Plain and full ratios return X̂ alone.
+    `backend`: that of `formats.quantize` (``auto`` takes its compiled, bit-identical path for
+    large CPU tensors)."""
+    base = quantize(x, fmt, alpha=alpha, rounding=rounding, backend=backend)
     K_E = ext_width(x.shape[-1], ratio, fmt)
     if K_E == 0:
         return base
     r = residue(x, base)
-    ext = quantize(_compact(r, mask, K_E), fmt, alpha=base.global_scale, rounding=rounding, backend="reference")
+    ext = quantize(_compact(r, mask, K_E), fmt, alpha=base.global_scale, rounding=rounding, backend=backend)
     return FP4Tensor.cat([base, ext])
 
 
 def full_residue(
-    x: torch.Tensor, fmt: str, alpha: torch.Tensor | None = None, rounding: ScaleRounding | str = ScaleRounding.CEIL
+    x: torch.Tensor,
+    fmt: str,
+    alpha: torch.Tensor | None = None,
+    rounding: ScaleRounding | str = ScaleRounding.CEIL,
+    backend: str = "reference",
 ) -> tuple[FP4Tensor, FP4Tensor]:
-    """(X̂, R̂) for full compensation (M-Ext): every channel's residue, base α."""
-    base = quantize(x, fmt, alpha=alpha, rounding=rounding, backend="reference")
-    res = quantize(residue(x, base), fmt, alpha=base.global_scale, rounding=rounding, backend="reference")
+    """(X̂, R̂) for full compensation (M-Ext): every channel's residue, base α (`backend` as in
+    `extended_activation`)."""
+    base = quantize(x, fmt, alpha=alpha, rounding=rounding, backend=backend)
+    res = quantize(residue(x, base), fmt, alpha=base.global_scale, rounding=rounding, backend=backend)
     return base, res
 
 
