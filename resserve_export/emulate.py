@@ -68,21 +68,6 @@ def quantized_residue_operand(
     return quantize(src, xq.fmt, alpha=xq.global_scale, rounding=rounding, backend=backend)
 
 
-def residue_operand(
-    res: torch.Tensor,
-    xq: FP4Tensor,
-    mode: str,
-    *,
-    mask: torch.Tensor | None = None,
-    width: int = 0,
-    rounding: ScaleRounding | str = ScaleRounding.CEIL,
-    backend: str = "reference",
-) -> torch.Tensor:
-    """The dequantized residue operand of a compensated product, with the base α of `xq`:
-    R̂ for ``full``, ``[R̂_S | 0]`` of the extension's `width` for ``k_ext``."""
-    return dequantize(quantized_residue_operand(res, xq, mode, mask=mask, width=width, rounding=rounding, backend=backend))
-
-
 def exact_operand(q: FP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The values of `q` without its tensor scale α, in `dtype`: E2M1 value × block scale.
 
@@ -125,7 +110,8 @@ def quantized_matmul(
         return y
     w_res = residue_weight(qw, mode)
     r = residue(x, xq)
-    return y + residue_operand(r, xq, mode, mask=qw.mask, width=w_res.shape[-1], rounding=qw.rounding) @ w_res.T
+    rq = quantized_residue_operand(r, xq, mode, mask=qw.mask, width=w_res.shape[-1], rounding=qw.rounding)
+    return y + dequantize(rq) @ w_res.T
 
 
 class EmulatedLinear(nn.Module):

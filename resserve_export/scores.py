@@ -36,7 +36,7 @@ from torch import nn
 
 from .compiling import compile_or_eager
 from .constants import RATIOS
-from .emulate import QuantizedWeight, exact_operand, quantized_matmul, quantized_residue_operand, residue_operand, residue_weight
+from .emulate import QuantizedWeight, exact_operand, quantized_matmul, quantized_residue_operand, residue_weight
 from .formats import dequantize, quantize
 from .kext import extend_weight, residue
 from .groups import Group
@@ -114,8 +114,8 @@ class Candidates:
             mode = mode_of(r)
             if mode != "plain":
                 width = residue_weight(self.qw[r][0], mode).shape[-1]
-                extra[r] = residue_operand(
-                    res, xq, mode, mask=self.masks[r], width=width, rounding=self.rounding, backend=self.backend
+                extra[r] = dequantize(
+                    quantized_residue_operand(res, xq, mode, mask=self.masks[r], width=width, rounding=self.rounding, backend=self.backend)
                 )
         return xd, extra
 
