@@ -42,9 +42,25 @@ def encode_e2m1_packed(x: torch.Tensor) -> torch.Tensor:
     return (c[..., 0::2] + (c[..., 1::2] << 4)).to(torch.uint8)
 
 
+_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def e2m1_table(device: torch.device) -> torch.Tensor:
+    """The 16 E2M1 values (FP32, indexed by code) on `device`, copied there once: a host-to-GPU
+    copy at every decode would wait for the GPU to finish its queued work (a host sync)."""
+    if device.type == "cpu":
+        return _VALUES
+    table = _TABLES.get(device)
+    if table is None:
+        table = _TABLES[device] = _VALUES.to(device)
+    return table
+
+
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (uint8 0..15) to float32 values."""
-    return _VALUES.to(codes.device)[codes.long()]
+    if codes.device.type == "cpu" or torch.compiler.is_compiling():
+        return _VALUES.to(codes.device)[codes.long()]
+    return e2m1_table(codes.device)[codes.long()]
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -61,4 +77,4 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-__all__ = ["encode_e2m1", "encode_e2m1_packed", "decode_e2m1", "pack_fp4", "unpack_fp4", "F4_SIGN_BIT"]
+__all__ = ["encode_e2m1", "encode_e2m1_packed", "decode_e2m1", "e2m1_table", "pack_fp4", "unpack_fp4", "F4_SIGN_BIT"]
