@@ -41,7 +41,8 @@ from .formats import dequantize, quantize
 from .kext import extend_weight, residue
 from .groups import Group
 from . import mxfp4, nvfp4
-from .constants import BLOCK
+from .constants import BLOCK, E8M0_BIAS
+from .fp4 import e2m1_table, unpack_fp4
 from .mxfp4 import ScaleRounding
 from .nvfp4 import global_scale
 from .qtensor import FP4Tensor
@@ -135,49 +136,74 @@ class Candidates:
     #
     # The FP4 operands are exact in bfloat16 once the NVFP4 tensor scales are factored out
     # (`emulate.exact_operand`), so every candidate product runs as a bf16 GEMM with FP32
-    # accumulation; only the GEMM outputs are rounded to bf16. To put that rounding on the small
-    # differences rather than on the outputs, with c = α_x·α_w (1 for MXFP4):
-    #   D_0 = Y_q(plain) − Y = c · ([X̂' | X | X] @ [Ŵ' | −H | −L]ᵀ)   one GEMM
-    #   E_ρ = c · (R̂'_ρ @ Ŵ'_ρᵀ)                                       the residue products
-    #   D_ρ = D_0 + E_ρ                                                summed in FP32
-    # where H + L = W/c to ~2⁻¹⁷ (H = bf16(W/c), L = bf16(W/c − H); L is dropped when it is zero,
-    # e.g. MXFP4 on a bf16 model). X must be exact in bf16 (a bf16 model), so Y is X Wᵀ with
-    # FP32 accumulation: more accurate than the module's bf16 output, which the FP32 path
-    # subtracts. Both paths are checked against a float64 oracle in tests/test_scores.py.
+    # accumulation. With c = α_x·α_w (1 for MXFP4), D_ρ = Y_q(ρ) − Y = D_0 + E_ρ where
+    #   E_ρ = c · (R̂'_ρ @ Ŵ'_ρᵀ)   the residue products (bf16 outputs: they are differences)
+    # and D_0 = Y_q(plain) − Y, the plain error, comes in one of two layouts:
+    # - fused (any device): D_0 = c · ([X̂' | X | X] @ [Ŵ' | −H | −L]ᵀ), one GEMM of inner width
+    #   3K whose bf16 output rounds the small difference, not the outputs; H + L = W/c to ~2⁻¹⁷
+    #   (H = bf16(W/c), L = bf16(W/c − H); L is dropped when it is zero, e.g. MXFP4 on a bf16
+    #   model). X must be exact in bf16 (a bf16 model).
+    # - split (CUDA, where a bf16 GEMM can write FP32: `_mm_f32`): P = X̂'Ŵ'ᵀ and Y = X Wᵀ with
+    #   the module's own weight, both with FP32 outputs, and D_0 = c·P − Y formed in FP32 inside
+    #   the reduction (`_sq_sums_split`): two width-K products instead of one of width 3K, no
+    #   [X̂' | X | X] copy, no H/L weights (≈ 4 bytes per weight less), and D_0 rounded at 2⁻²⁴
+    #   of Y instead of 2⁻⁹ of D_0. X only has to be exact in the module's dtype (bf16 or fp16).
+    # Either way Y is X Wᵀ with FP32 accumulation: more accurate than the module's bf16 output,
+    # which the FP32 path subtracts. All paths are checked against a float64 oracle in
+    # tests/test_scores.py.
 
-    def _fast_weights(self, i: int) -> tuple[torch.Tensor, dict[float, torch.Tensor]]:
-        """([Ŵ' | −H | −L] bf16, {ρ: residue weight' bf16}) of member i (built once for the group;
-        L is kept for every member when any member needs it)."""
-        cache = self.__dict__.get("_fast_cache")
+    def _fast_weights(self, i: int, split: bool = False):
+        """Member i's bf16 weight operands, built once for the group per layout: fused
+        ``([Ŵ' | −H | −L], {ρ: residue weight'})`` (L kept for every member when any member needs
+        it) or split ``((Ŵ', W), {ρ: residue weight'})`` with W the module's weight itself."""
+        caches = self.__dict__.setdefault("_fast_cache", {})
+        cache = caches.get(split)
         if cache is None:
-            built, need_lo = [], False
-            for k, lin in enumerate(self.linears):
-                w = lin.weight.detach().float() / self._c()
-                hi = w.to(torch.bfloat16)
-                lo = (w - hi.float()).to(torch.bfloat16)
-                need_lo = need_lo or bool(lo.any())
-                w_exact = exact_operand(self.qw[self.ratios[0]][k].base)
-                res = {}
-                for r in self.ratios:
-                    mode = mode_of(r)
-                    if mode == "full":
-                        res[r] = w_exact
-                    elif mode == "k_ext":
-                        res[r] = exact_operand(self.qw[r][k].ext)
-                built.append((w_exact, hi, lo, res))
-            cache = []
-            for we, hi, lo, res in built:
-                b0 = torch.cat([we, -hi] + ([-lo] if need_lo else []), dim=1)
-                # Full compensation multiplies Ŵ' itself: a view into b0, not a second copy.
-                cache.append((b0, {r: b0[:, : we.shape[1]] if w is we else w for r, w in res.items()}))
-            self._fast_cache = cache
+            cache = caches[split] = self._build_fast_weights(split)
         return cache[i]
+
+    def _build_fast_weights(self, split: bool) -> list:
+        built, need_lo = [], False
+        for k, lin in enumerate(self.linears):
+            w_exact = exact_operand(self.qw[self.ratios[0]][k].base)
+            res = {}
+            for r in self.ratios:
+                mode = mode_of(r)
+                if mode == "full":
+                    res[r] = w_exact
+                elif mode == "k_ext":
+                    res[r] = exact_operand(self.qw[r][k].ext)
+            if split:
+                built.append(((w_exact, lin.weight.detach()), res))
+                continue
+            w = lin.weight.detach().float() / self._c()
+            hi = w.to(torch.bfloat16)
+            lo = (w - hi.float()).to(torch.bfloat16)
+            need_lo = need_lo or bool(lo.any())
+            built.append((w_exact, hi, lo, res))
+        if split:
+            return built
+        cache = []
+        for we, hi, lo, res in built:
+            b0 = torch.cat([we, -hi] + ([-lo] if need_lo else []), dim=1)
+            # Full compensation multiplies Ŵ' itself: a view into b0, not a second copy.
+            cache.append((b0, {r: b0[:, : we.shape[1]] if w is we else w for r, w in res.items()}))
+        return cache
 
     def _c(self) -> torch.Tensor:
         """c = α_x · α_w in FP32 (1 for MXFP4)."""
         if self.input_alpha is None:
             return torch.ones((), dtype=torch.float32)
         return (self.input_alpha.float() * self.qw[self.ratios[0]][0].base.global_scale.float()).reshape(())
+
+    def _c_on(self, device: torch.device) -> tuple[torch.Tensor, float]:
+        """(c as an FP32 tensor on `device`, c² as a Python float), computed once per device: read
+        per member and batch, they would otherwise cost a host sync each time."""
+        per = self.__dict__.setdefault("_c_cache", {})
+        if device not in per:
+            c = self._c()
+            per[device] = (c.to(device), float(c) ** 2)
+        return per[device]
 
     def _fast_spec(self):
         """(compensated ratios, their modes, index tensors and residue widths) for `prepare_fast`."""
@@ -190,21 +216,26 @@ class Candidates:
             spec = self._fast_spec_cache = (comp, modes, idx, widths)
         return spec
 
-    def prepare_fast(self, x: torch.Tensor, backend: str | None = None) -> tuple[torch.Tensor, dict[float, torch.Tensor]]:
-        """`prepare` for the bf16 path: ``[X̂' | X | X]`` (``[X̂' | X]`` without L) and the residue
-        operands R̂'_ρ in bf16: the quantizations of `prepare` with α factored out.
+    def prepare_fast(self, x: torch.Tensor, backend: str | None = None, split: bool | None = None):
+        """`prepare` for the bf16 path: the base operand(s) and the residue operands R̂'_ρ in bf16
+        (the quantizations of `prepare` with α factored out). The base is ``[X̂' | X | X]``
+        (``[X̂' | X]`` without L) in the fused layout, the pair ``(X̂', X)`` in the split one
+        (`split` None: `_split_base` decides; see the layouts above).
 
         backend ``compiled`` (auto on CPU for inputs ≥ 2^16 elements) runs the whole preparation as
         one `torch.compile` graph of the same format-core functions (bit-identical, tested);
+        ``kernel`` (auto for bf16/fp16 CUDA inputs) the fused CUDA kernel (bit-identical, tested);
         ``reference`` composes the eager calls (`formats.quantize`, `emulate.quantized_residue_operand`).
         """
         comp, modes, idx, widths = self._fast_spec()
-        twice = self._fast_weights(0)[0].shape[1] > 2 * x.shape[-1]
+        split = _split_base(x, self.linears) if split is None else split
+        twice = not split and self._fast_weights(0)[0].shape[1] > 2 * x.shape[-1]
         backend = backend or self.backend
         if backend == "auto":
             backend = _prepare_backend(x)
         if backend == "kernel":
-            return self._prepare_with_kernel(x, comp, modes, widths, twice)
+            xhat, extra = self._prepare_with_kernel(x, comp, modes, widths)
+            return _base_operand(xhat, x, split, twice), extra
         if backend == "compiled":
             fn = _compiled_prepare(self.fmt, self.rounding, modes, widths, twice)
             alpha = (self.input_alpha if self.input_alpha is not None else torch.ones(())).float().reshape(())
@@ -222,23 +253,22 @@ class Candidates:
                 a0[start : start + rows] = a[:rows]
                 for dst, src in zip(ops, o):
                     dst[start : start + rows] = src[:rows]
-            return a0, dict(zip(comp, ops))
+            return ((a0[:, :K], x) if split else a0), dict(zip(comp, ops))
         xq = quantize(x, self.fmt, alpha=self.input_alpha, rounding=self.rounding, backend=backend)
         res = residue(x, xq)
-        xb = x.to(torch.bfloat16)
-        a0 = torch.cat([exact_operand(xq), xb] + ([xb] if twice else []), dim=1)
         extra: dict[float, torch.Tensor] = {}
         for r, mode, width in zip(comp, modes, widths):
             rq = quantized_residue_operand(
                 res, xq, mode, mask=self.masks[r], width=width, rounding=self.rounding, backend=backend
             )
             extra[r] = exact_operand(rq)
-        return a0, extra
+        return _base_operand(exact_operand(xq), x, split, twice), extra
 
-    def _prepare_with_kernel(self, x, comp, modes, widths, twice):
-        """`prepare_fast` through the fused CUDA kernel (bit-identical to the reference: it is
+    def _prepare_with_kernel(self, x, comp, modes, widths):
+        """(X̂', {ρ: R̂'_ρ}) through the fused CUDA kernel (bit-identical to the reference: it is
         checked against `kext.extended_activation` / `kext.full_residue` bit for bit): one launch
-        per compensated ratio gives X̂ and that ratio's residue operand."""
+        per compensated ratio gives X̂ and that ratio's residue operand. The bf16 operands come
+        from `_exact_operand` (one compiled pass, no host sync)."""
         from . import kernel
 
         K = x.shape[-1]
@@ -258,22 +288,36 @@ class Candidates:
                 rq = FP4Tensor(q.fmt, q.codes[:, K // 2 :], q.scales[:, K // b :], q.global_scale)
                 assert rq.shape[-1] == width
             xq = base if xq is None else xq
-            extra[r] = exact_operand(rq)
+            extra[r] = _exact_operand(rq)
         if xq is None:
             xq = quantize(x, self.fmt, alpha=alpha, rounding=self.rounding, backend="reference")
-        xb = x.to(torch.bfloat16)
-        return torch.cat([exact_operand(xq), xb] + ([xb] if twice else []), dim=1), extra
+        return _exact_operand(xq), extra
+
+    def member_sums_fast(self, prepared, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """[Σ (∂L/∂Y ⊙ (Y_q(ρ) − Y))² for ρ in `ratios`] of member i, float64 on grad's device, for a
+        `prepare_fast` and ∂L/∂Y ``[M, N]``. No host sync: the caller accumulates these on the
+        device and reads them once (a sync per linear in the backward pass stalls the GPU)."""
+        base, extra = prepared
+        comp = self._fast_spec()[0]
+        split = isinstance(base, tuple)
+        b0, wres = self._fast_weights(i, split)
+        es = [(extra[r] @ wres[r].T).reshape(-1) for r in comp]
+        c, c2 = self._c_on(grad.device)
+        if split:
+            p = _mm_f32(base[0], b0[0])
+            y = _mm_f32(base[1], b0[1])
+            sums = _sq_sums_split(grad.reshape(-1), p.reshape(-1), y.reshape(-1), c, *es).double()
+        else:
+            d0 = base @ b0.T
+            sums = _sq_sums(grad.reshape(-1), d0.reshape(-1), *es).double() * c2
+        # sums: [plain, then the compensated ratios in order]; `ratios` is sorted, so it is the
+        # whole vector when it holds ratio 0 and the tail otherwise.
+        first = 0 if mode_of(self.ratios[0]) == "plain" else 1
+        return sums[first : first + len(self.ratios)]
 
     def member_scores_fast(self, prepared, i: int, grad: torch.Tensor) -> dict[float, float]:
-        """{ρ: Σ (∂L/∂Y ⊙ (Y_q(ρ) − Y))²} of member i for a `prepare_fast` and ∂L/∂Y ``[M, N]``."""
-        a0, extra = prepared
-        b0, wres = self._fast_weights(i)
-        d0 = a0 @ b0.T
-        comp = self._fast_spec()[0]
-        es = [extra[r] @ wres[r].T for r in comp]
-        sums = _sq_sums(grad.reshape(-1), d0.reshape(-1), *(e.reshape(-1) for e in es))
-        sums = (sums.double() * float(self._c()) ** 2).tolist()
-        return {r: sums[0] if mode_of(r) == "plain" else sums[1 + comp.index(r)] for r in self.ratios}
+        """{ρ: Σ (∂L/∂Y ⊙ (Y_q(ρ) − Y))²} of member i (`member_sums_fast` read back)."""
+        return dict(zip(self.ratios, self.member_sums_fast(prepared, i, grad).tolist()))
 
     @contextmanager
     def installed(self, model: nn.Module, r: float):
@@ -385,18 +429,117 @@ def _sq_sums_eager(g: torch.Tensor, d0: torch.Tensor, *es: torch.Tensor) -> torc
     return torch.stack(out)
 
 
-_SQ_SUMS_COMPILED = None
+def _sq_sums_split_eager(g: torch.Tensor, p: torch.Tensor, y: torch.Tensor, c: torch.Tensor, *es: torch.Tensor) -> torch.Tensor:
+    """`_sq_sums_eager` for the split layout: d0 = c·p − y and each e scaled by c, all in FP32
+    (p, y: the FP32 products X̂'Ŵ'ᵀ and X Wᵀ; c: α_x·α_w as a 0-d FP32 tensor)."""
+    g = g.float()
+    gd = g * (c * p - y)
+    out = [torch.sum(gd * gd)]
+    for e in es:
+        t = gd + g * (c * e.float())
+        out.append(torch.sum(t * t))
+    return torch.stack(out)
+
+
+def _fused(fn, device: torch.device):
+    """`fn` fused by `torch.compile` on CPU and CUDA (one read of each operand instead of a pass per
+    elementwise op: about 6 full FP32 passes over ``[M, N]`` per ratio in eager), eager on other
+    devices or with ``RESSERVE_BACKEND=reference``. A compiler failure falls back to eager
+    (`compiling.compile_or_eager`), per device type."""
+    if device.type not in ("cpu", "cuda") or os.environ.get("RESSERVE_BACKEND", "") == "reference":
+        return fn
+    return _compiled_reduction(fn, device.type)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_reduction(fn, device_type: str):
+    return compile_or_eager(fn, dynamic=True, fullgraph=True)
 
 
 def _sq_sums(g: torch.Tensor, d0: torch.Tensor, *es: torch.Tensor) -> torch.Tensor:
-    """`_sq_sums_eager`, fused by `torch.compile` on CPU (one read of each operand instead of a
-    pass per elementwise op); eager elsewhere or with ``RESSERVE_BACKEND=reference``."""
-    global _SQ_SUMS_COMPILED
-    if g.device.type != "cpu" or os.environ.get("RESSERVE_BACKEND", "") == "reference":
-        return _sq_sums_eager(g, d0, *es)
-    if _SQ_SUMS_COMPILED is None:
-        _SQ_SUMS_COMPILED = compile_or_eager(_sq_sums_eager, dynamic=True, fullgraph=True)
-    return _SQ_SUMS_COMPILED(g, d0, *es)
+    """`_sq_sums_eager`, compiled on CPU and CUDA (see `_fused`)."""
+    return _fused(_sq_sums_eager, g.device)(g, d0, *es)
+
+
+def _sq_sums_split(g, p, y, c, *es) -> torch.Tensor:
+    """`_sq_sums_split_eager`, compiled on CPU and CUDA (see `_fused`)."""
+    return _fused(_sq_sums_split_eager, g.device)(g, p, y, c, *es)
+
+
+@functools.lru_cache(maxsize=None)
+def _mm_f32_native(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` runs for `dtype` operands on `device`:
+    a bf16/fp16 GEMM (FP32 accumulation) that writes its FP32 sums instead of rounding them, on
+    CUDA with torch ≥ 2.8. Probed once per (device, dtype) on a tiny product."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    try:
+        a = torch.full((2, 16), 1.5, dtype=dtype, device=device)
+        out = torch.mm(a, a.T, out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+    return out.dtype == torch.float32 and bool((out == 36.0).all())
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ bᵀ with FP32 sums and an FP32 output. bf16/fp16 operands: one native GEMM writing FP32
+    where `_mm_f32_native`, else the same products (exact in FP32) in an FP32 GEMM (slow; only the
+    split layout's tests take it on a CPU)."""
+    if a.dtype == b.dtype and _mm_f32_native(a.device, a.dtype):
+        return torch.mm(a, b.T, out_dtype=torch.float32)
+    return a.float() @ b.float().T
+
+
+def _split_base(x: torch.Tensor, linears) -> bool:
+    """Whether `prepare_fast` takes the split layout for input x of these linears: on CUDA, for
+    bf16/fp16 inputs of linears of the same dtype, where the GEMMs can write FP32 (`_mm_f32_native`).
+    Elsewhere the fused layout: one GEMM of width 3K with a bf16 output (on CPUs an FP32 output
+    would have to come from an FP32 GEMM, ~4x a bf16 one)."""
+    return (
+        x.device.type == "cuda"
+        and all(lin.weight.dtype == x.dtype for lin in linears)
+        and _mm_f32_native(x.device, x.dtype)
+    )
+
+
+def _base_operand(xhat: torch.Tensor, x: torch.Tensor, split: bool, twice: bool):
+    """The base operand of `prepare_fast`: ``(X̂', X)`` (split) or ``[X̂' | X | X]`` / ``[X̂' | X]``."""
+    if split:
+        return xhat, x
+    xb = x.to(torch.bfloat16)
+    return torch.cat([xhat, xb] + ([xb] if twice else []), dim=1)
+
+
+def _exact_body(codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor, *, fmt: str) -> torch.Tensor:
+    """`emulate.exact_operand` of packed codes ``[M, K/2]`` and their block scales, in bf16:
+    `formats.dequantize`'s steps with α = 1, with the E2M1 value table passed in (so that a
+    compiled graph on a GPU does not copy it from the host at every call)."""
+    b = BLOCK[fmt]
+    lead = codes.shape[:-1]
+    vals = table[unpack_fp4(codes.reshape(*lead, -1, b // 2)).long()]  # fp4.decode_e2m1
+    if fmt == "nvfp4":
+        vals = vals * scales.float().unsqueeze(-1)  # nvfp4.dequantize_blocks with α = 1
+    else:
+        vals = vals * mxfp4.exp2_exact(scales.to(torch.int32) - E8M0_BIAS).unsqueeze(-1)
+    return vals.reshape(*lead, -1).to(torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_exact(fmt: str, device_type: str):
+    return compile_or_eager(functools.partial(_exact_body, fmt=fmt), dynamic=True, fullgraph=True)
+
+
+def _exact_operand(q: FP4Tensor, backend: str = "auto") -> torch.Tensor:
+    """`emulate.exact_operand(q)` (bf16). On CUDA (``auto``) or with ``compiled`` it is one
+    `torch.compile` graph: eager it is ~8 passes over the operand with FP32 and int64
+    intermediates, for every activation operand of every group and batch. Bit-identical to the
+    eager function (every step is exact; tested); ``RESSERVE_BACKEND=reference`` forces eager."""
+    if backend == "auto":
+        cuda = q.codes.device.type == "cuda" and os.environ.get("RESSERVE_BACKEND", "") != "reference"
+        backend = "compiled" if cuda else "reference"
+    if backend == "reference":
+        return exact_operand(q)
+    return _compiled_exact(q.fmt, q.codes.device.type)(q.codes, q.scales, e2m1_table(q.codes.device))
 
 
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -439,8 +582,18 @@ def build_candidates(
 
 
 # Bytes the candidates of one weight element take: FP32 dequantized base and extensions (≈ 4 + 3.5)
-# plus the FP4 tensors; the bf16 path adds its bf16 operands (≈ 8 more).
-_BYTES_PER_WEIGHT = {"fp32": 8.5, "bf16": 16.5}
+# plus the FP4 tensors; the bf16 path adds its bf16 operands: ≈ 8 more in the fused layout
+# ([Ŵ' | −H | −L] and the extensions), ≈ 4 in the split one (Ŵ' and the extensions; W is the
+# module's own). Checked against the tensors' sizes in tests/test_scores.py.
+_BYTES_PER_WEIGHT = {"fp32": 8.5, "bf16": 16.5, "bf16-split": 12.5}
+
+
+def _bytes_per_weight(method: str, precision: str, device: torch.device, dtype: torch.dtype) -> float:
+    """`_BYTES_PER_WEIGHT` of the layout the scores will build on `device` for a `dtype` model."""
+    if method != "grad" or precision != "bf16":
+        return _BYTES_PER_WEIGHT["fp32"]
+    split = device.type == "cuda" and _mm_f32_native(device, dtype)
+    return _BYTES_PER_WEIGHT["bf16-split" if split else "bf16"]
 
 
 def default_budget(device: torch.device) -> int:
@@ -608,7 +761,14 @@ def _kl_scores(model, batches, groups, cands, ratios, step) -> dict:
 
 def _grad_scores(model, batches, groups, cands, ratios, step, precision: str = "fp32") -> dict:
     fast = precision == "bf16"
-    sums = {g.modules: {r: 0.0 for r in ratios} for g in groups}
+    # Per group, the per-ratio sums as one float64 vector on the device of its gradients, read
+    # back once at the end: the same additions in the same order as Python floats, without a host
+    # sync per linear inside the backward pass.
+    acc: dict[tuple[str, ...], torch.Tensor] = {}
+
+    def add(key, v: torch.Tensor) -> None:
+        acc[key] = (acc[key] if key in acc else torch.zeros_like(v)) + v
+
     tokens = 0
     params = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in params:
@@ -642,21 +802,24 @@ def _grad_scores(model, batches, groups, cands, ratios, step, precision: str = "
                             x2 = x.reshape(-1, x.shape[-1])
                             if shared["cand"] is None:
                                 shared["cand"] = cands[key]
+                                if list(shared["cand"].ratios) != list(ratios):
+                                    raise ValueError(f"candidates of {key} are for ratios {shared['cand'].ratios}, not {list(ratios)}")
                             cand = shared["cand"]
                             if fast:
                                 if shared["prepared"] is None:
                                     shared["prepared"] = cand.prepare_fast(x2)
                                 g2 = grad.reshape(-1, grad.shape[-1])
-                                for r, v in cand.member_scores_fast(shared["prepared"], i, g2).items():
-                                    sums[key][r] += v
+                                add(key, cand.member_sums_fast(shared["prepared"], i, g2))
                             else:
                                 if shared["prepared"] is None:
                                     shared["prepared"] = cand.prepare(x2)
                                 y2 = y.reshape(-1, y.shape[-1]).float()
                                 g2 = grad.reshape(-1, grad.shape[-1]).float()
-                                for r, yq in cand.member_outputs(shared["prepared"], i):
+                                sq = []
+                                for _, yq in cand.member_outputs(shared["prepared"], i):
                                     d = (yq - y2) * g2
-                                    sums[key][r] += float(torch.sum(d * d))
+                                    sq.append(torch.sum(d * d))
+                                add(key, torch.stack(sq).double())
                             shared["left"] -= 1
                             if shared["left"] == 0:
                                 shared["prepared"] = shared["cand"] = None
@@ -679,7 +842,8 @@ def _grad_scores(model, batches, groups, cands, ratios, step, precision: str = "
     finally:
         for p, flag in params:
             p.requires_grad_(flag)
-    return {k: {r: s / max(tokens, 1) for r, s in v.items()} for k, v in sums.items()}
+    sums = {g.modules: acc[g.modules].tolist() if g.modules in acc else [0.0] * len(ratios) for g in groups}
+    return {k: {r: s / max(tokens, 1) for r, s in zip(ratios, v)} for k, v in sums.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -724,7 +888,8 @@ def compute_scores(
     ratios = sorted({check_ratio(r) for r in ratios})
     rounding = ScaleRounding(rounding)
     dtypes = {model.get_submodule(m).weight.dtype for g in groups for m in g.modules}
-    precision = resolve_precision(precision, _device_of(model), dtypes.pop() if len(dtypes) == 1 else torch.float32)
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    precision = resolve_precision(precision, _device_of(model), dtype)
     missing = [m for g in groups for m in g.modules if m not in stats]
     if missing:
         raise ValueError(f"no calibration stats for {missing[0]} ({len(missing)} modules)")
@@ -762,7 +927,7 @@ def compute_scores(
         if candidates is None:
             wprog = (lambda d, t: bar.update(wtask, completed=d)) if bar is not None else None
             budget = default_budget(_device_of(model)) if memory_budget is None else int(memory_budget)
-            bpw = _BYTES_PER_WEIGHT["bf16" if method == "grad" and precision == "bf16" else "fp32"]
+            bpw = _bytes_per_weight(method, precision, _device_of(model), dtype)
             candidates = CandidatePool(model, groups, stats, ratios, fmt, rounding, budget, bpw)
             # The grad hooks visit the groups last layer first: keep those that fit from there.
             candidates.prebuild([g.modules for g in (reversed(groups) if method == "grad" else groups)], wprog)

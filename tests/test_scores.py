@@ -1,6 +1,7 @@
 """Sensitivity scores (SPEC §10): exact against the emulated linear, padding-blind, and on SmolLM2
 a budget plan built from them beats a uniform ratio at the same bits."""
 
+import functools
 import math
 
 import pytest
@@ -307,28 +308,36 @@ def _oracle_member(c, x, i, grad):
     return {r: float((((c.outputs(x, r, i).double() - (0 if c.biases[i] is None else c.biases[i].double())) - y) * g).pow(2).sum()) for r in c.ratios}
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_fast_member_scores_match_float64_oracle(fmt):
-    """D = Y_q(ρ) − Y from the bf16 GEMMs against float64, on a random bf16 layer with outliers."""
+def _random_layer(fmt, device="cpu", dtype=torch.bfloat16):
+    """(Candidates, x, ∂L/∂Y) of a random layer with outlier channels in `dtype` on `device`."""
     from resserve_export.groups import Group
 
     torch.manual_seed(3)
-    lin = torch.nn.Linear(256, 96, bias=False).bfloat16()
+    lin = torch.nn.Linear(256, 96, bias=False).to(dtype)
     with torch.no_grad():
         lin.weight.mul_(1.0 + 6.0 * (torch.rand(256) < 0.05))
     model = torch.nn.Sequential()
-    model.add_module("lin", lin)
+    model.add_module("lin", lin.to(device))
     x = (torch.randn(300, 256) * 2)
     x[:, 7] *= 40
-    x = x.bfloat16()
+    x = x.to(dtype)
     st = {"lin": {"mean_abs": x.float().abs().mean(0), "amax": x.float().abs().amax()}}
     c = S.Candidates(model, Group(("lin",), 256, (96,)), st, RATIOS, fmt, "ceil")
-    grad = torch.randn(300, 96).bfloat16()
+    return c, x.to(device), torch.randn(300, 96).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fast_member_scores_match_float64_oracle(fmt):
+    """D = Y_q(ρ) − Y from the bf16 GEMMs against float64, on a random bf16 layer with outliers."""
+    c, x, grad = _random_layer(fmt)
     want = _oracle_member(c, x, 0, grad)
+    # Both layouts of the base product (the split one runs natively on CUDA only; here its FP32
+    # products come from FP32 GEMMs of the same bf16 operands).
     for backend in ("reference", "compiled"):
-        got = c.member_scores_fast(c.prepare_fast(x, backend=backend), 0, grad)
-        for r in RATIOS:
-            assert math.isclose(got[r], want[r], rel_tol=1e-3), (fmt, backend, r, got[r], want[r])
+        for split in (False, True):
+            got = c.member_scores_fast(c.prepare_fast(x, backend=backend, split=split), 0, grad)
+            for r in RATIOS:
+                assert math.isclose(got[r], want[r], rel_tol=1e-3), (fmt, backend, split, r, got[r], want[r])
     # Compensation helps here, so the ordering the planner sees is the oracle's.
     assert sorted(RATIOS, key=got.get) == sorted(RATIOS, key=want.get)
 
@@ -338,10 +347,82 @@ def test_fast_prepare_compiled_is_bit_identical(tiny):
     for g in (groups[0], groups[3]):  # K = 64 (three members) and K = 128
         c = cands[g.modules]
         x = (torch.randn(300, c.linears[0].in_features) * 3).bfloat16()
-        a0, ea = c.prepare_fast(x, backend="reference")
-        b0, eb = c.prepare_fast(x, backend="compiled")
-        assert torch.equal(a0, b0)
-        assert set(ea) == set(eb) and all(torch.equal(ea[r], eb[r]) for r in ea)
+        for split in (False, True):
+            a0, ea = c.prepare_fast(x, backend="reference", split=split)
+            b0, eb = c.prepare_fast(x, backend="compiled", split=split)
+            _assert_same_operands(a0, b0)
+            assert set(ea) == set(eb) and all(torch.equal(ea[r], eb[r]) for r in ea)
+
+
+def _assert_same_operands(a, b):
+    """Base operands of `prepare_fast`, bit for bit: one tensor (fused) or a pair (split)."""
+    assert isinstance(a, tuple) == isinstance(b, tuple)
+    for u, v in zip(a, b) if isinstance(a, tuple) else [(a, b)]:
+        assert u.dtype == v.dtype and torch.equal(u, v)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_compiled_exact_operand_is_bit_identical(fmt, gen):
+    """The compiled `_exact_operand` (what the GPU path runs) against `emulate.exact_operand`, on a
+    whole operand and on a column slice of a wider one (the kernel's base and extension halves)."""
+    from resserve_export.emulate import exact_operand
+    from resserve_export.formats import quantize
+    from resserve_export.qtensor import FP4Tensor
+
+    x = (torch.randn(70, 256, generator=gen) * torch.rand(70, 1, generator=gen) * 30).bfloat16()
+    q = quantize(x, fmt, alpha=None)
+    b = 16 if fmt == "nvfp4" else 32
+    half = FP4Tensor(fmt, q.codes[:, 64:], q.scales[:, 128 // b :], q.global_scale)
+    for t in (q, half):
+        got = S._exact_operand(t, backend="compiled")
+        assert got.dtype == torch.bfloat16 and torch.equal(got, exact_operand(t))
+
+
+def test_split_reduction_compiled_matches_eager(gen):
+    g, p, y = (torch.randn(5000, generator=gen) for _ in range(3))
+    es = [torch.randn(5000, generator=gen).bfloat16() for _ in range(4)]
+    c = torch.tensor(0.37)
+    want = S._sq_sums_split_eager(g.bfloat16(), p, y, c, *es)
+    got = S._sq_sums_split(g.bfloat16(), p, y, c, *es)
+    assert torch.allclose(got, want, rtol=1e-5, atol=0)
+    # What it computes: Σ (g (c·p − y + c·e))² per e, the plain one first.
+    gf = g.bfloat16().double()
+    ref = [((gf * (c.double() * p.double() - y.double() + c.double() * e)) ** 2).sum() for e in [0.0] + [e.double() for e in es]]
+    assert torch.allclose(got.double(), torch.stack(ref), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_bytes_per_weight_estimate_covers_the_candidates(split):
+    """The memory pool's per-weight estimate against the bytes the candidates of a bf16 layer
+    really hold (FP4 tensors, FP32 dequantized weights, and the bf16 path's operands) on a layer
+    wide enough for the extensions to have their real widths (K/8, K/4, K/2)."""
+    from resserve_export.groups import Group
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1024, 512, bias=False).bfloat16()
+    model = torch.nn.Sequential()
+    model.add_module("lin", lin)
+    st = {"lin": {"mean_abs": torch.rand(1024), "amax": torch.tensor(8.0)}}
+    c = S.Candidates(model, Group(("lin",), 1024 * 512, (512,)), st, RATIOS, "nvfp4", "ceil")
+    c._fast_weights(0, split)
+    seen, total = {lin.weight.untyped_storage().data_ptr()}, 0
+
+    def count(t):
+        nonlocal total
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+
+    for qs in c.qw.values():
+        for q in qs:
+            for t in (q.base.codes, q.base.scales, q.w) + ((q.ext.codes, q.ext.scales, q.w_ext) if q.ext is not None else ()):
+                count(t)
+    for b0, wres in c._fast_cache[split]:
+        for t in (b0 if isinstance(b0, tuple) else (b0,)) + tuple(wres.values()):
+            count(t)
+    measured = total / lin.weight.numel()
+    estimate = S._BYTES_PER_WEIGHT["bf16-split" if split else "bf16"]
+    assert measured <= estimate < measured + 1, (measured, estimate)
 
 
 @pytest.mark.gpu
@@ -356,10 +437,120 @@ def test_fast_prepare_with_the_kernel_is_bit_identical(tiny, fmt):
         c = cands[g.modules]
         x = (torch.randn(300, c.linears[0].in_features) * 3).bfloat16().cuda()
         assert S._prepare_backend(x) == "kernel"
-        a0, ea = c.prepare_fast(x, backend="reference")
-        b0, eb = c.prepare_fast(x, backend="kernel")
-        assert torch.equal(a0, b0)
-        assert set(ea) == set(eb) and all(torch.equal(ea[r], eb[r]) for r in ea)
+        for split in (False, True):
+            a0, ea = c.prepare_fast(x, backend="reference", split=split)
+            b0, eb = c.prepare_fast(x, backend="kernel", split=split)
+            _assert_same_operands(a0, b0)
+            assert set(ea) == set(eb) and all(torch.equal(ea[r], eb[r]) for r in ea)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_products_write_fp32():
+    """torch ≥ 2.8 runs a bf16/fp16 GEMM with an FP32 output on CUDA: the split layout is taken."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8):
+        pytest.skip("torch.mm(..., out_dtype) needs torch >= 2.8")
+    assert S._mm_f32_native(dev, torch.bfloat16) and S._mm_f32_native(dev, torch.float16)
+    a = (torch.randn(64, 512, device=dev) * 3).bfloat16()
+    b = (torch.randn(48, 512, device=dev) * 3).bfloat16()
+    got = S._mm_f32(a, b)
+    want = a.double() @ b.double().T
+    assert got.dtype == torch.float32
+    # FP32 sums: far closer than the bf16 output's 2⁻⁹.
+    assert float(((got.double() - want).abs() / want.abs().clamp(min=1)).max()) < 1e-5
+    x = torch.zeros(4, 64, dtype=torch.bfloat16, device=dev)
+    lins = [torch.nn.Linear(64, 8).bfloat16().to(dev)]
+    assert S._split_base(x, lins) and not S._split_base(x.half(), lins)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_member_scores_match_float64_oracle(fmt, dtype):
+    """On a GPU, both layouts (split, where the GEMMs write FP32, and fused) against float64,
+    with the tolerance of the CPU test, and the split layout against the CPU's (emulated) one.
+    fp16 takes the split layout only: the fused one rounds X to bf16."""
+    c, x, grad = _random_layer(fmt, "cuda", dtype)
+    want = _oracle_member(c, x, 0, grad)
+    layouts = [True] + ([False] if dtype == torch.bfloat16 else [])
+    got = {}
+    for split in layouts:
+        got[split] = c.member_scores_fast(c.prepare_fast(x, split=split), 0, grad)
+        for r in RATIOS:
+            assert math.isclose(got[split][r], want[r], rel_tol=1e-3), (fmt, split, r, got[split][r], want[r])
+    assert c.prepare_fast(x)[0].__class__ is tuple  # auto: split
+    cc, xc, gc = _random_layer(fmt, "cpu", dtype)
+    cpu = cc.member_scores_fast(cc.prepare_fast(xc, split=True), 0, gc)
+    for r in RATIOS:
+        assert math.isclose(got[True][r], cpu[r], rel_tol=1e-4), (fmt, r, got[True][r], cpu[r])
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_graphs_compile(fmt):
+    """The GPU path's compiled graphs compile there (a failure would only show as a slow eager
+    fallback in the scores) and give the eager results: the reductions to FP32 rounding, the
+    exact operands bit for bit."""
+    from resserve_export.emulate import exact_operand
+    from resserve_export.fp4 import e2m1_table
+    from resserve_export.formats import quantize
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=dev).manual_seed(0)
+    n = 3 * 4096 * 96
+    gr, p, y = (torch.randn(n, device=dev, generator=g) for _ in range(3))
+    es = [torch.randn(n, device=dev, generator=g).bfloat16() for _ in range(4)]
+    c = torch.tensor(0.37, device=dev)
+    reduce_split = torch.compile(S._sq_sums_split_eager, dynamic=True, fullgraph=True)
+    reduce_fused = torch.compile(S._sq_sums_eager, dynamic=True, fullgraph=True)
+    for n2 in (n, n // 3):  # a second size: the same graph (dynamic shapes)
+        args = (gr[:n2].bfloat16(), p[:n2], y[:n2], c, *(e[:n2] for e in es))
+        assert torch.allclose(reduce_split(*args), S._sq_sums_split_eager(*args), rtol=1e-5, atol=0)
+        args = (gr[:n2].bfloat16(), p[:n2].bfloat16(), *(e[:n2] for e in es))
+        assert torch.allclose(reduce_fused(*args), S._sq_sums_eager(*args), rtol=1e-5, atol=0)
+    exact = torch.compile(functools.partial(S._exact_body, fmt=fmt), dynamic=True, fullgraph=True)
+    x = (torch.randn(300, 512, device=dev, generator=g) * 20).bfloat16()
+    q = quantize(x, fmt, alpha=None, backend="reference")
+    for codes, scales in ((q.codes, q.scales), (q.codes[:, 128:], q.scales[:, 256 // (16 if fmt == "nvfp4" else 32) :])):
+        from resserve_export.qtensor import FP4Tensor
+
+        t = FP4Tensor(fmt, codes, scales, q.global_scale)
+        assert torch.equal(exact(codes, scales, e2m1_table(dev)), exact_operand(t))
+        assert torch.equal(S._exact_operand(t), exact_operand(t))
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_grad_scores_match_float64_oracle(tiny_bf16, fmt):
+    """compute_scores(precision="bf16") on a bf16 model on a GPU: within the CPU test's tolerance
+    of float64 scores from retain_grad."""
+    import copy
+
+    model, groups, batches, stats = tiny_bf16
+    model = copy.deepcopy(model).cuda()
+    got = S.compute_scores(model, batches, stats, groups, "grad", fmt=fmt, show_progress=False, precision="bf16")
+    assert got["precision"] == "bf16"
+    cands = S.build_candidates(model, groups, stats, RATIOS, fmt=fmt)
+    ref = {g.modules: {r: 0.0 for r in RATIOS} for g in groups}
+    tokens = 0
+    for b in batches:
+        outs, n = _outputs_with_grads(model, groups, {k: v.cuda() for k, v in b.items()}, masked=False)
+        tokens += n
+        for (key, i), (x, y) in outs.items():
+            o = _oracle_member(cands[key], x.reshape(-1, x.shape[-1]), i, y.grad.reshape(-1, y.shape[-1]))
+            for r in RATIOS:
+                ref[key][r] += o[r]
+    for gr in got["groups"]:
+        for r in RATIOS:
+            want = ref[tuple(gr["modules"])][r] / tokens
+            assert math.isclose(gr["scores"][S.ratio_key(r)], want, rel_tol=3e-3), (fmt, gr["modules"], r)
 
 
 @pytest.fixture(scope="module")
@@ -370,10 +561,13 @@ def tiny_bf16():
     return model, groups, batches, own_stats(model, batches, groups)
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_fast_grad_scores_match_float64_oracle(tiny_bf16, fmt):
+def test_fast_grad_scores_match_float64_oracle(tiny_bf16, fmt, split, monkeypatch):
     """compute_scores(precision="bf16") on a bf16 model against float64 scores from retain_grad:
-    tight, and the fp32 path (whose reference is the module's bf16 output) close to both."""
+    tight, and the fp32 path (whose reference is the module's bf16 output) close to both. Both
+    layouts of the base product (split: what CUDA GPUs run, emulated here)."""
+    monkeypatch.setattr(S, "_split_base", lambda x, linears: split)
     model, groups, batches, stats = tiny_bf16
     cands = S.build_candidates(model, groups, stats, RATIOS, fmt=fmt)
     fast = S.compute_scores(model, batches, stats, groups, "grad", fmt=fmt, candidates=cands, show_progress=False, precision="bf16")
