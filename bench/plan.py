@@ -234,18 +234,23 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
     for prec in ("bf16", "fp32"):
         grad[prec], _ = timed(lambda prec=prec: S.compute_scores(model, batches, stats, groups, "grad", candidates=cands, show_progress=False, precision=prec))
     name = torch.cuda.get_device_name(0) if dev == "cuda" else "cpu"
+    # The bf16 path's base product: two GEMMs with FP32 outputs where torch runs them, else one
+    # GEMM of width 3K (`scores.Candidates.prepare_fast`).
+    split = S._mm_f32_native(torch.device(dev, 0) if dev == "cuda" else torch.device(dev), torch.bfloat16)
+    layout = "split: X̂'Ŵ'ᵀ and X Wᵀ with FP32 outputs" if split else "fused: one GEMM of width 3K"
     return [
         f"## Scoring cost on one GPU ({name}, random Qwen3-1.7B-shaped bf16 model)",
         "",
         f"{batches_n} batches × {batch_size} × {seq_len} random tokens ({tokens} tokens), {len(groups)} decision groups × "
-        f"{len(RATIOS)} ratios, median of {repeat} after one warm-up run. Produced by `python bench/plan.py --part gpu`.",
+        f"{len(RATIOS)} ratios, median of {repeat} after one warm-up run, torch {torch.__version__}, bf16 base product {layout}. "
+        "Produced by `python bench/plan.py --part gpu`.",
         "",
         "| pass | time (s) | × calibration pass |",
         "| --- | --- | --- |",
         f"| calibration pass (`calibrate.collect`) | {t_calib:.3f} | 1.00 |",
         f"| forward + backward of the loss alone, no score hooks | {t_floor:.3f} | {t_floor / t_calib:.2f} |",
-        f"| **grad scores, `precision=bf16`** | {grad['bf16']:.3f} | **{grad['bf16'] / t_calib:.2f}** |",
-        f"| grad scores, `precision=fp32` (FP32 emulation, the GPU default) | {grad['fp32']:.3f} | {grad['fp32'] / t_calib:.2f} |",
+        f"| **grad scores, `precision=bf16` (the default for bf16 models)** | {grad['bf16']:.3f} | **{grad['bf16'] / t_calib:.2f}** |",
+        f"| grad scores, `precision=fp32` (FP32 emulation) | {grad['fp32']:.3f} | {grad['fp32'] / t_calib:.2f} |",
         f"| one-off weight quantization of every candidate | {t_build:.3f} | {t_build / t_calib:.2f} |",
     ]
 

@@ -14,8 +14,8 @@ Two methods, both through the one emulated FP4 linear of `resserve_export.emulat
   on each quantized linear's output receive ∂L/∂Y and score every candidate ratio of the group
   right there from the captured input (all candidates from one pass). Weight gradients are never
   computed. Reported per valid token. The candidate products run in FP32 (the emulated linear's
-  own arithmetic) or, by default for bf16 models on CPUs with fast bf16 GEMMs, as bf16 GEMMs on
-  the same FP4 operands, exact in bf16 (`Candidates.prepare_fast`).
+  own arithmetic) or, by default for bf16 models on GPUs and on CPUs with fast bf16 GEMMs, as
+  bf16 GEMMs on the same FP4 operands, exact in bf16 (`Candidates.prepare_fast`).
 
 Padding never counts: KL is averaged over positions with attention_mask = 1, and the loss of the
 grad method ignores padded targets (so their ∂L/∂Y is zero).
@@ -546,9 +546,11 @@ PRECISIONS = ("auto", "fp32", "bf16")
 
 
 def _fast_bf16(device: torch.device) -> bool:
-    """Whether `auto` takes the bf16 path: a CPU with AVX512-BF16 or AMX, where a bf16 GEMM is
-    ~4x an FP32 one. Not chosen on GPUs (FP32 GEMMs are cheap there, and the bf16 operands would
-    add ~10 bytes per weight to the candidates' memory); ``precision="bf16"`` still works there."""
+    """Whether bf16 GEMMs are fast on this device: any CUDA GPU (the bf16 path is ~2.6x faster
+    than the FP32 emulation on an H200, bench/results/plan.md), or a CPU with AVX512-BF16 or AMX,
+    where a bf16 GEMM is ~4x an FP32 one."""
+    if device.type == "cuda":
+        return True
     if device.type != "cpu":
         return False
     try:
@@ -560,12 +562,19 @@ def _fast_bf16(device: torch.device) -> bool:
 
 
 def resolve_precision(precision: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
-    """``fp32`` or ``bf16`` for the grad scores' candidate products. ``auto`` is bf16 for a bf16
-    model (its activations are exact bf16 GEMM operands) on a CPU with fast bf16 GEMMs, else fp32."""
+    """``fp32`` or ``bf16`` for the grad scores' candidate products. ``auto`` is bf16 where bf16
+    GEMMs are fast (`_fast_bf16`: CUDA GPUs, CPUs with AVX512-BF16/AMX) for a model whose
+    activations are exact operands of its products there: a bf16 model, or on a GPU an fp16 model
+    when the split layout runs (its X Wᵀ keeps X in fp16; the fused layout would round X to bf16).
+    Else fp32 (e.g. an FP32 model: its activations are not exact in bf16)."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown score precision {precision!r}, available: {list(PRECISIONS)}")
     if precision == "auto":
-        return "bf16" if dtype == torch.bfloat16 and _fast_bf16(torch.device(device)) else "fp32"
+        device = torch.device(device)
+        if not _fast_bf16(device):
+            return "fp32"
+        exact = dtype == torch.bfloat16 or (dtype == torch.float16 and _mm_f32_native(device, dtype))
+        return "bf16" if exact else "fp32"
     return precision
 
 
@@ -879,9 +888,10 @@ def compute_scores(
     own FP32 products, bit for bit, minus the module's output), ``bf16`` (the exact FP4 operands
     in bf16 GEMMs with FP32 accumulation, see `Candidates.prepare_fast`: within ~2e-4 of a float64
     oracle on SmolLM2, where the fp32 path's bf16 reference output puts it within ~1e-2) or
-    ``auto`` (bf16 for bf16 models on CPUs with AVX512-BF16/AMX, else fp32). The bf16 path keeps
-    bf16 copies of the candidate weights (≈ 8 bytes per weight). The result records
-    the precision used. KL scores always use the FP32 path.
+    ``auto`` (bf16 on CUDA GPUs and on CPUs with AVX512-BF16/AMX for bf16 models, and on GPUs
+    for fp16 models where a bf16/fp16 GEMM can write FP32; else fp32: see `resolve_precision`).
+    The bf16 path keeps bf16 copies of the candidate weights (≈ 4 bytes per weight on such GPUs,
+    ≈ 8 elsewhere). The result records the precision used. KL scores always use the FP32 path.
     """
     if method not in METHODS:
         raise ValueError(f"unknown score method {method!r}, available: {list(METHODS)}")

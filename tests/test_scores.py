@@ -529,13 +529,13 @@ def test_gpu_graphs_compile(fmt):
 @cuda
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_gpu_grad_scores_match_float64_oracle(tiny_bf16, fmt):
-    """compute_scores(precision="bf16") on a bf16 model on a GPU: within the CPU test's tolerance
-    of float64 scores from retain_grad."""
+    """compute_scores on a bf16 model on a GPU: auto takes the bf16 path there, and its scores
+    are within the CPU test's tolerance of float64 scores from retain_grad."""
     import copy
 
     model, groups, batches, stats = tiny_bf16
     model = copy.deepcopy(model).cuda()
-    got = S.compute_scores(model, batches, stats, groups, "grad", fmt=fmt, show_progress=False, precision="bf16")
+    got = S.compute_scores(model, batches, stats, groups, "grad", fmt=fmt, show_progress=False)
     assert got["precision"] == "bf16"
     cands = S.build_candidates(model, groups, stats, RATIOS, fmt=fmt)
     ref = {g.modules: {r: 0.0 for r in RATIOS} for g in groups}
@@ -589,10 +589,23 @@ def test_fast_grad_scores_match_float64_oracle(tiny_bf16, fmt, split, monkeypatc
             assert math.isclose(gs["scores"][k], v, rel_tol=5e-2), (fmt, gs["modules"], k, gs["scores"][k], v)
 
 
-def test_precision_choice(tiny):
+def test_precision_choice(tiny, monkeypatch):
     model, groups, batches, stats, cands = tiny
     assert S.resolve_precision("fp32", torch.device("cpu")) == "fp32"
     assert S.resolve_precision("auto", torch.device("cpu"), torch.float32) == "fp32"  # fp32 activations
+    # On a GPU: bf16 for bf16 models; fp16 models too where the split layout keeps X in fp16.
+    cuda = torch.device("cuda")
+    for native in (True, False):
+        monkeypatch.setattr(S, "_mm_f32_native", lambda device, dtype: native)
+        assert S.resolve_precision("auto", cuda, torch.bfloat16) == "bf16"
+        assert S.resolve_precision("auto", cuda, torch.float16) == ("bf16" if native else "fp32")
+        assert S.resolve_precision("auto", cuda, torch.float32) == "fp32"
+        assert S.resolve_precision("fp32", cuda, torch.bfloat16) == "fp32"
+        assert S._bytes_per_weight("grad", "bf16", cuda, torch.bfloat16) == S._BYTES_PER_WEIGHT["bf16-split" if native else "bf16"]
+    assert S._bytes_per_weight("grad", "fp32", cuda, torch.bfloat16) == S._BYTES_PER_WEIGHT["fp32"]
+    assert S._bytes_per_weight("kl", "bf16", cuda, torch.bfloat16) == S._BYTES_PER_WEIGHT["fp32"]
+    monkeypatch.undo()
+    assert S._bytes_per_weight("grad", "bf16", torch.device("cpu"), torch.bfloat16) == S._BYTES_PER_WEIGHT["bf16"]
     with pytest.raises(ValueError, match="unknown score precision"):
         S.compute_scores(model, batches, stats, groups[:1], "grad", candidates=cands, show_progress=False, precision="fp8")
     sc = S.compute_scores(model, batches[:1], stats, groups[:1], "grad", candidates=cands, show_progress=False)

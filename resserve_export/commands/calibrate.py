@@ -31,8 +31,9 @@ def command(
     score_precision: Annotated[
         Optional[str],
         typer.Option(
-            help="Grad scores' candidate products: auto (bf16 GEMMs on CPUs with AVX512-BF16/AMX, FP32 elsewhere), "
-            "fp32, or bf16 (exact FP4 operands, FP32 accumulation; on a GPU ~2.6x faster, ~8 more bytes per weight)."
+            help="Grad scores' candidate products: auto (bf16 GEMMs for bf16 models on GPUs and on CPUs with "
+            "AVX512-BF16/AMX, and for fp16 models on GPUs with torch >= 2.8; FP32 elsewhere), fp32, or bf16 "
+            "(exact FP4 operands, FP32 accumulation; ~4 (GPU) to ~8 (CPU) more bytes per weight)."
         ),
     ] = None,
     format: Annotated[Optional[str], typer.Option("--format", help="FP4 format the scores assume: nvfp4 or mxfp4.")] = None,
