@@ -471,10 +471,10 @@ def test_gpu_products_write_fp32():
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_gpu_member_scores_match_float64_oracle(fmt, dtype):
+def test_gpu_member_scores_match_float64_oracle(fmt, dtype, monkeypatch):
     """On a GPU, both layouts (split, where the GEMMs write FP32, and fused) against float64,
-    with the tolerance of the CPU test, and the split layout against the CPU's (emulated) one.
-    fp16 takes the split layout only: the fused one rounds X to bf16."""
+    with the tolerance of the CPU test, and the split layout against the CPU's (emulated, eager)
+    one. fp16 takes the split layout only: the fused one rounds X to bf16."""
     c, x, grad = _random_layer(fmt, "cuda", dtype)
     want = _oracle_member(c, x, 0, grad)
     layouts = [True] + ([False] if dtype == torch.bfloat16 else [])
@@ -484,8 +484,9 @@ def test_gpu_member_scores_match_float64_oracle(fmt, dtype):
         for r in RATIOS:
             assert math.isclose(got[split][r], want[r], rel_tol=1e-3), (fmt, split, r, got[split][r], want[r])
     assert c.prepare_fast(x)[0].__class__ is tuple  # auto: split
+    monkeypatch.setenv("RESSERVE_BACKEND", "reference")  # the CPU side eager: only the GPU's graphs are tested here
     cc, xc, gc = _random_layer(fmt, "cpu", dtype)
-    cpu = cc.member_scores_fast(cc.prepare_fast(xc, split=True), 0, gc)
+    cpu = cc.member_scores_fast(cc.prepare_fast(xc, backend="reference", split=True), 0, gc)
     for r in RATIOS:
         assert math.isclose(got[True][r], cpu[r], rel_tol=1e-4), (fmt, r, got[True][r], cpu[r])
 
