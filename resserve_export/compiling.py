@@ -15,6 +15,7 @@ the compiler's is raised again by the eager call.
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 
 import torch
@@ -33,16 +34,30 @@ def _raise_limits() -> None:
         cfg.accumulated_recompile_limit = 4 * RECOMPILE_LIMIT
 
 
+_RAISED_HERE = threading.local()
+
+
+def _raise_limits_in_this_thread() -> None:
+    """`_raise_limits` once per thread: Dynamo's config is thread-local since torch 2.12, the
+    autograd engine's GPU threads included (where the grad scores' hooks call compiled graphs),
+    so a budget raised in the main thread does not reach them."""
+    if not getattr(_RAISED_HERE, "done", False):
+        _raise_limits()
+        _RAISED_HERE.done = True
+
+
 def compile_or_eager(fn, **options):
     """``torch.compile(fn, **options)``, falling back to `fn` itself for good once Dynamo refuses
     a recompilation (recompile limit reached)."""
     _raise_limits()
+    _RAISED_HERE.done = True
     compiled = torch.compile(fn, **options)
     state = {"eager": False}
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
         if not state["eager"]:
+            _raise_limits_in_this_thread()
             try:
                 return compiled(*args, **kwargs)
             except _LIMIT_HIT:

@@ -65,3 +65,28 @@ def test_falls_back_to_eager_when_compilation_fails(monkeypatch):
         assert torch.equal(fn(x), x * 2.0 + 1.0)
     with pytest.raises(TypeError):
         fn("not a tensor")
+
+
+def test_limits_are_raised_in_every_calling_thread():
+    """Dynamo's config is thread-local since torch 2.12, including the autograd engine's GPU
+    threads, where the grad scores' hooks call compiled graphs: a thread that calls the wrapper
+    gets the raised budget too, instead of falling back to eager after 8 shapes."""
+    import threading
+    import warnings
+
+    fn = compiling.compile_or_eager(functools.partial(_scale_add, k=5.0), backend="eager", dynamic=False, fullgraph=True)
+    torch._dynamo.reset()
+    shapes = [(n, 3) for n in range(2, 2 + compiling.RECOMPILE_LIMIT // 4)]
+    caught, ok = [], []
+
+    def work():
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            ok.extend(torch.equal(fn(x), x * 5.0 + 1.0) for x in (torch.randn(*s) for s in shapes))
+        caught.extend(str(m.message) for m in w)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert ok == [True] * len(shapes)
+    assert not [m for m in caught if "torch.compile" in m], caught
