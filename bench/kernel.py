@@ -3,7 +3,8 @@
     python bench/kernel.py [--out bench/results/kernel.md] [--commit HASH]
 
 1. builds the extension; 2. checks it bit for bit against the PyTorch reference at the timed
-shapes (poisoned outputs); 3. times, with CUDA events (median of many runs, after warm-up):
+shapes (poisoned outputs); 3. times on the device, with CUDA events around back-to-back calls
+queued behind a spin kernel (so the host's launch overhead is not counted; median of rounds):
 a device-to-device copy (the bandwidth ceiling), the kernel, the unfused PyTorch reference on the
 same GPU, and ModelOpt's Triton NVFP4 activation fake-quantizer (bf16 -> bf16 QDQ, no residue).
 Achieved bandwidth counts the bytes the kernel must move: x read once, mask read once, codes and
@@ -17,6 +18,7 @@ import datetime
 import os
 import statistics
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -29,19 +31,46 @@ from resserve_export.constants import BLOCK  # noqa: E402
 from resserve_export.nvfp4 import global_scale  # noqa: E402
 
 
-def time_ms(fn, reps: int = 50, warmup: int = 5) -> float:
+def time_ms(fn, reps: int = 20, rounds: int = 7, warmup: int = 3) -> float:
+    """Device time of one call of fn, in ms: the median over `rounds` of (time of `reps` calls
+    back to back) / reps.
+
+    Each round first parks the GPU in a spin kernel (`torch.cuda._sleep`) long enough for the
+    host to queue all `reps` calls behind it, so the events bracket GPU work only: a single call
+    timed between two events would also count the host's launch overhead (the Python wrapper and
+    argument checks, ~10-20 us), which is of the order of the kernel itself at this size.
+    """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
-    for _ in range(reps):
+    for _ in range(rounds):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SPIN_CYCLES)
         a.record()
-        fn()
+        for _ in range(reps):
+            fn()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / reps)
     return statistics.median(times)
+
+
+# ~25 ms at the H200's clock: far longer than queuing 20 launches takes on the host.
+SPIN_CYCLES = 50_000_000
+
+
+def host_bound(fn, reps: int = 20) -> float:
+    """Host time per call when the GPU is kept busy (ms): to check that `time_ms`'s queue never
+    ran dry (then the device time would include host gaps)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SPIN_CYCLES)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    t = (time.perf_counter() - t0) / reps * 1e3
+    torch.cuda.synchronize()
+    return t
 
 
 def copy_bandwidth() -> float:
@@ -144,9 +173,13 @@ def main() -> int:
                 kernel.quantize_extend_raw(xs[j], mask, ksel, fmt, a, "ceil", K_E, outs[j], rows=nrows, max_ctas=ctas)
                 i[0] += 1
 
-            per_rows[variant] = time_ms(run, reps=100)
+            per_rows[variant] = time_ms(run)
         best_rows = min(per_rows, key=per_rows.get)
         ms = per_rows[best_rows]
+        host_ms = host_bound(lambda: run(best_rows))
+        print(f"   host time per launch {host_ms * 1e3:.1f} us (device {ms * 1e3:.1f} us)")
+        if 20 * host_ms > 15.0:  # 20 launches must queue well within the spin (~25 ms)
+            print("   WARNING: launches queue too slowly for the spin kernel; device time may include host gaps")
         moved = sum(t.numel() for t in outs[0]) + xs[0].numel() * 2 + (K // 8 if mask is not None else 0)
         gbs = moved / ms / 1e6
         print("   (rows/thread, max CTAs): " + ", ".join(f"{r}: {t * 1e3:.1f} us" for r, t in per_rows.items()))
@@ -157,7 +190,7 @@ def main() -> int:
             else:
                 kext.extended_activation(xs[2], mask, ratio, fmt, alpha=a)
 
-        ref_ms = time_ms(unfused, reps=5, warmup=1)
+        ref_ms = time_ms(unfused, reps=2, rounds=3, warmup=1)
         rows.append((fmt, ratio, K_E, exact, ms, gbs, gbs / copy_gbs, ref_ms / ms, modelopt_ms, best_rows))
         print(
             f"{fmt} ratio {ratio:<5} K_E {K_E:5d} exact {exact}  {ms * 1e3:7.1f} us  {gbs:6.0f} GB/s "
