@@ -107,14 +107,21 @@ __device__ __forceinline__ float nvfp4_scale(float amax, float six_alpha, uint8_
 }
 
 // MXFP4 block exponent (mxfp4.scale_exponent), clamped to [-127, 127].
+// The ceil rule from q = amax / 6 (correctly rounded): the smallest e with 2^e >= q, clamped.
+__device__ __forceinline__ int mxfp4_exponent_of_sixth(float q) {
+  const uint32_t bits = __float_as_uint(q);
+  const int field = static_cast<int>((bits & 0x7F800000u) >> 23);
+  const uint32_t mant = bits & 0x7FFFFFu;
+  int e;
+  if (field == 0) e = mant > (1u << 22) ? -126 : -127;
+  else e = field - 127 + (mant != 0u ? 1 : 0);
+  return max(-127, min(127, e));
+}
+
 __device__ __forceinline__ int mxfp4_exponent(float amax, int rounding) {
   int e;
   if (rounding == kCeil) {
-    const uint32_t bits = __float_as_uint(__fdiv_rn(amax, 6.0f));
-    const int field = static_cast<int>((bits & 0x7F800000u) >> 23);
-    const uint32_t mant = bits & 0x7FFFFFu;
-    if (field == 0) e = mant > (1u << 22) ? -126 : -127;
-    else e = field - 127 + (mant != 0u ? 1 : 0);
+    return mxfp4_exponent_of_sixth(__fdiv_rn(amax, 6.0f));
   } else if (rounding == kFloor) {
     e = static_cast<int>((__float_as_uint(amax) & 0x7F800000u) >> 23) - 127 - 2;
   } else {
@@ -213,6 +220,26 @@ __device__ __forceinline__ void unpack_group(const uint4 raw, float (&f)[kGroup]
   }
 }
 
+// max |x| over one group's 8 inputs, from the packed 16-bit pairs: three packed max-of-magnitudes
+// (max.xorsign.abs: |result| = max(|a|, |b|), exact) and one FP32 max over the last pair's halves.
+// Cheaper than 8 FP32 maxes, and the unpacked inputs need not be live until their row is encoded.
+template <bool BF16>
+__device__ __forceinline__ float packed_abs_max(const uint4 raw) {
+  uint32_t a, b, m;
+  if (BF16) {
+    asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(a) : "r"(raw.x), "r"(raw.y));
+    asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(b) : "r"(raw.z), "r"(raw.w));
+    asm("max.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(m) : "r"(a), "r"(b));
+    return fmaxf(fabsf(__uint_as_float(m << 16)), fabsf(__uint_as_float(m & 0xFFFF0000u)));
+  } else {
+    asm("max.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(a) : "r"(raw.x), "r"(raw.y));
+    asm("max.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(b) : "r"(raw.z), "r"(raw.w));
+    asm("max.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(m) : "r"(a), "r"(b));
+    return fmaxf(fabsf(__half2float(__ushort_as_half(static_cast<unsigned short>(m & 0xFFFFu)))),
+                 fabsf(__half2float(__ushort_as_half(static_cast<unsigned short>(m >> 16)))));
+  }
+}
+
 // ---------------------------------------------------------------- exact path
 
 // One row's work for this thread's group g, every operation in the reference's form: the
@@ -279,8 +306,8 @@ __device__ __forceinline__ void process_row(const Params& p, const uint4 raw, co
 
 // ---------------------------------------------------------------- fast path
 //
-// The same arithmetic in fewer instructions, exact under conditions checked per row (a warp
-// whose row breaks one of them takes the exact path above, `process_row`):
+// The same arithmetic in fewer instructions, exact under conditions checked per row group (a
+// warp whose rows break one of them takes the exact path above, `process_row`, for those rows):
 //
 // * Division: x / d as the compiler's fast sequence (q0 = x*y, r = x - d*q0, q = q0 + y*r, y the
 //   Newton-refined reciprocal), computed once per block for d, and once per launch for 6*alpha.
@@ -293,14 +320,19 @@ __device__ __forceinline__ void process_row(const Params& p, const uint4 raw, co
 // * Sign: the fast sequence maps x = -0 to q = +0 (and MXFP4 uses fma(x, 2^-e, +0)), so the sign
 //   bit of q is exactly the reference's `q < 0`.
 // * E2M1: one path for every binade. With a = min(|q|, 6) and p = 2^e the power of two of
-//   max(a, 1) (e in {0, 1, 2}), t = a + 1.5*2^22*p is a single rounding to the grid step 0.5*p
-//   with ties to even (the magic constant is an even multiple of the step), and
-//   v = t - 1.5*2^22*p is the grid value, exactly. The code is the bit pattern of v*2^-126 shifted
-//   right by 22 (0.5 lands on the smallest normal's half, a subnormal: 0.5 -> 1, 1 -> 2, ...,
-//   6 -> 7).
+//   max(a, 1) (e in {0, 1, 2}), the grid sum g = a + (1.5*2^22 + 1)*p is a single rounding to the
+//   grid step 0.5*p with ties to even (the constant is an even multiple of the step, so the
+//   parity of the grid points is that of v), so g = (1.5*2^22 + 1)*p + v exactly, v the grid
+//   value. Bit for bit, g = A + e*2^23 + L with A = 0x4AC00000 = 299*2^22 and L = v/(0.5p) + 2 in
+//   [2, 6], while the code is v/(0.5p) + 2e (p = 1: 0, 0.5, 1, 1.5, 2 -> 0..4; p = 2: 2, 3, 4 ->
+//   4..6; p = 4: 4, 6 -> 6, 7). One high multiply turns g into the code: with M = 2^32 - 3*2^10,
+//   mulhi(bits(g), M) = bits(g) - ceil(3*bits(g)/2^22) = bits(g) - (897 + 6e + 1) (the +2 in L
+//   makes the ceiling's fraction nonzero), which is L - 898 - 6e = code - 896 - 8e, i.e. the code
+//   mod 8. The kernel is bound by the integer/logic pipe (half the issue rate); a high multiply
+//   runs on the FMA pipe. v = g - (1.5*2^22 + 1)*p = fma(h, -(1.5 + 2^-22), g) with h = 2^22*p =
+//   float(bits(g) & 0xFF800000), exactly (residues need it).
 
-constexpr float kMagic = 6291456.0f;  // 1.5 * 2^22
-constexpr int kSpillM = 9 * kThreads;  // words from an input slot to its grid magnitude
+constexpr float kMagic = 6291457.0f;  // 1.5 * 2^22 + 1
 
 __device__ __forceinline__ float refined_reciprocal(float d) {
   float y0;
@@ -313,24 +345,56 @@ __device__ __forceinline__ float fast_div(float x, float d, float y) {
   return __fmaf_rn(y, __fmaf_rn(-d, q0, x), q0);
 }
 
-// Magnitude of q rounded to the E2M1 grid (RNE, saturating at 6), as its value.
-__device__ __forceinline__ float e2m1_grid(float q) {
+// Grid sum of q (see above) and the power of two p it used.
+__device__ __forceinline__ float e2m1_sum(float q, float* p) {
   const float a = fminf(fabsf(q), 6.0f);
-  const float p = __uint_as_float(__float_as_uint(fmaxf(a, 1.0f)) & 0x7F800000u);
-  const float t = __fmaf_rn(p, kMagic, a);
-  return __fmaf_rn(p, -kMagic, t);
+  *p = __uint_as_float(__float_as_uint(fmaxf(a, 1.0f)) & 0x7F800000u);
+  return __fmaf_rn(*p, kMagic, a);
+}
+
+// FP4 nibble from the grid sum: the code (see above) in bits 0..2, q's sign in bit 3. q >> 28
+// is also a high multiply (its bits above 3 are zero); one LOP3 takes the low 3 bits of the one
+// and bit 3 of the other.
+__device__ __forceinline__ uint32_t e2m1_nibble(float g, float q) {
+  uint32_t v, qs, n;
+  asm("mul.hi.u32 %0, %1, 0xFFFFF400;" : "=r"(v) : "r"(__float_as_uint(g)));
+  asm("mul.hi.u32 %0, %1, 16;" : "=r"(qs) : "r"(__float_as_uint(q)));
+  asm("lop3.b32 %0, %1, %2, 7, 0xE4;" : "=r"(n) : "r"(v), "r"(qs));  // (v & 7) | (qs & ~7)
+  return n;
+}
+
+// packed + nibble * 16^t as one integer multiply-add (FMA pipe; nibbles never overlap).
+__device__ __forceinline__ uint32_t put_nibble(uint32_t packed, uint32_t nibble, int t) {
+  uint32_t r;
+  asm("mad.lo.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(nibble), "r"(1u << (4 * t)), "r"(packed));
+  return r;
+}
+
+// Grid value from the grid sum alone.
+__device__ __forceinline__ float e2m1_value(float g) {
+  return __fmaf_rn(__uint_as_float(__float_as_uint(g) & 0xFF800000u), -1.5000002384185791f /* 1.5 + 2^-22 */, g);
 }
 
 struct Tensor {
   float alpha, six_alpha, y6;  // NVFP4: alpha, 6*alpha and its refined reciprocal
   float bound;                 // NVFP4: largest block amax the fast path takes
+  float y_six;                 // MXFP4: the refined reciprocal of 6
   int rounding;
 };
 
+// mxfp4_exponent with amax / 6 (ceil rule) by the fast division where it is correctly rounded
+// (amax zero or >= 2^-100: a normal quotient), the IEEE division otherwise.
+__device__ __forceinline__ int mxfp4_exponent_fast(float amax, const Tensor& c) {
+  if (c.rounding != kCeil) return mxfp4_exponent(amax, c.rounding);
+  const float q = amax == 0.0f || amax >= 7.888609052210118e-31f /* 2^-100 */ ? fast_div(amax, 6.0f, c.y_six)
+                                                                               : __fdiv_rn(amax, 6.0f);
+  return mxfp4_exponent_of_sixth(q);
+}
+
 // Scale of one block: d (the divisor: float(s)*alpha, or 2^e), y (its reciprocal: refined, or
-// 2^-e) and the stored byte. Returns false when the block must take the exact path.
+// 2^-e) and the stored byte.
 template <int FMT>
-__device__ __forceinline__ bool block_scale(float amax, const Tensor& c, float* d, float* y, uint8_t* byte) {
+__device__ __forceinline__ void block_scale(float amax, const Tensor& c, float* d, float* y, uint8_t* byte) {
   if (FMT == kNVFP4) {
     float s = fast_div(amax, c.six_alpha, c.y6);
     if (s == 0.0f) s = 1.0f;
@@ -339,47 +403,55 @@ __device__ __forceinline__ bool block_scale(float amax, const Tensor& c, float* 
     *byte = static_cast<uint8_t>(b);
     *d = __fmul_rn(__half2float(__half(__nv_cvt_fp8_to_halfraw(b, __NV_E4M3))), c.alpha);
     *y = refined_reciprocal(*d);
-    return amax <= c.bound;
   } else {
-    const int e = mxfp4_exponent(amax, c.rounding);
+    const int e = mxfp4_exponent_fast(amax, c);
     *byte = static_cast<uint8_t>(e + 127);
     *d = pow2_exact(e);
     *y = pow2_exact(-e);
-    return e <= 14;
   }
 }
 
+// block_scale for a base block, and whether its row may take the fast path (given a fast-path
+// tensor scale): NVFP4 amax <= 448*alpha*2^100, MXFP4 exponent <= 14.
+template <int FMT>
+__device__ __forceinline__ bool block_scale_checked(float amax, const Tensor& c, float* d, float* y, uint8_t* byte) {
+  block_scale<FMT>(amax, c, d, y, byte);
+  return FMT == kNVFP4 ? amax <= c.bound : *byte <= 127 + 14;
+}
+
 // Codes of N values of one block (nibble t in bits 4t..4t+3). OUT: 0 nothing else, 1 their
-// residues, 2 their grid magnitudes (for residues formed later, `residue_fast`).
+// residues, 2 their grid sums (for residues formed later, `residue_fast`).
 template <int FMT, int N, int OUT>
 __device__ __forceinline__ uint32_t encode_fast(const float (&v)[N], float d, float y, float (&out)[N]) {
   uint32_t packed = 0;
 #pragma unroll
   for (int t = 0; t < N; ++t) {
     const float q = FMT == kNVFP4 ? fast_div(v[t], d, y) : __fmaf_rn(v[t], y, 0.0f);
-    const float m = e2m1_grid(q);
-    const uint32_t qb = __float_as_uint(q);
-    const uint32_t code = __float_as_uint(__fmul_rn(m, 1.1754943508222875e-38f /* 2^-126 */)) >> 22;
-    packed |= (code | ((qb >> 28) & 8u)) << (4 * t);
-    if (OUT == 1) out[t] = __fsub_rn(v[t], __fmul_rn(__uint_as_float(__float_as_uint(m) | (qb & 0x80000000u)), d));
-    if (OUT == 2) out[t] = m;
+    float p;
+    const float g = e2m1_sum(q, &p);
+    packed = put_nibble(packed, e2m1_nibble(g, q), t);
+    if (OUT == 1) {
+      const float m = __fmaf_rn(p, -kMagic, g);
+      out[t] = __fsub_rn(v[t], __fmul_rn(__uint_as_float(__float_as_uint(m) | (__float_as_uint(q) & 0x80000000u)), d));
+    }
+    if (OUT == 2) out[t] = g;
   }
   return packed;
 }
 
-// The residue of x from its grid magnitude m and block divisor d: x - (+-m)*d, the sign taken from
-// x (the sign of q except for x = -0, where only the residue's zero sign differs, which nothing
+// The residue of x from its grid sum g and block divisor d: x - (+-v)*d, the sign taken from x
+// (the sign of q except for x = -0, where only the residue's zero sign differs, which nothing
 // reads: amax takes |r| and a zero quotient is +0 either way).
-__device__ __forceinline__ float residue_fast(float x, float m, float d) {
-  return __fsub_rn(x, __fmul_rn(__uint_as_float(__float_as_uint(m) | (__float_as_uint(x) & 0x80000000u)), d));
+__device__ __forceinline__ float residue_fast(float x, float g, float d) {
+  const float v = e2m1_value(g);
+  return __fsub_rn(x, __fmul_rn(__uint_as_float(__float_as_uint(v) | (__float_as_uint(x) & 0x80000000u)), d));
 }
 
 template <int FMT, int LANES, int N, int OUT>
 __device__ __forceinline__ uint32_t quantize_fast(const float (&v)[N], float amax, const Tensor& c, uint8_t* byte,
-                                                  float (&out)[N], float* d_out = nullptr) {
+                                                  float (&out)[N]) {
   float d, y;
   block_scale<FMT>(amax, c, &d, &y, byte);
-  if (d_out) *d_out = d;
   return encode_fast<FMT, N, OUT>(v, d, y, out);
 }
 
@@ -391,61 +463,14 @@ __device__ __forceinline__ float abs_max(const float (&v)[N]) {
   return a;
 }
 
-// One row's work for this thread's group g on the fast path; `f` are the group's inputs and
-// `amax` their block's amax (already reduced over the block's lanes).
-template <int FMT, int KSEL>
-__device__ __forceinline__ void process_row_fast(const Params& p, const float (&f)[kGroup], float amax,
-                                                 const int64_t row, const int g, const bool has_input,
-                                                 const int (&pick)[KSEL > 0 && KSEL < 8 ? KSEL : 1], float* spill,
-                                                 float* ext_row, const Tensor& c) {
-  constexpr int B = FMT == kNVFP4 ? 16 : 32;
-  constexpr int BASE_LANES = B / kGroup;
-  constexpr int KS = KSEL == 0 ? 1 : KSEL;
-  const int W = p.K + p.KE;
-
-  float r[kGroup];  // full: residues; K-Ext: grid magnitudes
-  float d;
-  uint8_t sbyte;
-  const uint32_t base =
-      quantize_fast<FMT, BASE_LANES, kGroup, KSEL == 0 ? 0 : (KSEL == 8 ? 1 : 2)>(f, amax, c, &sbyte, r, &d);
-  if (has_input) {
-    *reinterpret_cast<uint32_t*>(p.codes + row * (W / 2) + g * 4) = base;
-    if (g % BASE_LANES == 0) p.scales[row * (W / B) + g / BASE_LANES] = sbyte;
-  }
-  if (KSEL == 0) return;
-
-  if (KSEL == 8) {
-    float unused[kGroup];
-    const float ra = lane_max<BASE_LANES>(abs_max(r));
-    const uint32_t res = quantize_fast<FMT, BASE_LANES, kGroup, 0>(r, ra, c, &sbyte, unused);
-    if (has_input) {
-      *reinterpret_cast<uint32_t*>(p.rcodes + row * (p.K / 2) + g * 4) = res;
-      if (g % BASE_LANES == 0) p.rscales[row * (p.K / B) + g / BASE_LANES] = sbyte;
-    }
-    return;
-  }
-
-  // K-Ext: the residues of the selected channels only, in ascending channel order. Inputs and
-  // grid magnitudes go through this thread's slots in shared memory (`pick`: the word offset of
-  // each slot's input, its magnitude kSpillM words further; a missing bit reads zeros).
-  float4* s4 = reinterpret_cast<float4*>(spill);
-  s4[threadIdx.x] = make_float4(f[0], f[1], f[2], f[3]);
-  s4[kThreads + threadIdx.x] = make_float4(f[4], f[5], f[6], f[7]);
-  s4[kSpillM / 4 + threadIdx.x] = make_float4(r[0], r[1], r[2], r[3]);
-  s4[kSpillM / 4 + kThreads + threadIdx.x] = make_float4(r[4], r[5], r[6], r[7]);
-  // Quantized later, rows together (`extension_fast`): this thread's KS residues of this row.
-#pragma unroll
-  for (int k = 0; k < KS; ++k) ext_row[k] = residue_fast(spill[pick[k]], spill[pick[k] + kSpillM], d);
-}
-
 // The extension blocks of ROWS rows, quantized with the rows' residues transposed across the
 // warp: the warp's rows hold 32*KS*ROWS selected residues (row by row, ascending position), and
 // lane l quantizes V = KS*ROWS consecutive ones, positions l*V..l*V+V-1, so a residue block spans
 // B/V lanes and each lane computes one block scale per ROWS rows instead of ROWS of them.
-// `buf` is the warp's transposition buffer; `live`: bit i set when row row0+i took the fast path.
+// `buf` is the warp's transposition buffer; `rows`: how many of the ROWS rows exist.
 template <int FMT, int KS, int ROWS>
 __device__ __forceinline__ void extension_fast(const Params& p, const float* buf, const int64_t row0, const int g,
-                                               const unsigned live, const Tensor& c) {
+                                               const int rows, const Tensor& c) {
   constexpr int B = FMT == kNVFP4 ? 16 : 32;
   constexpr int V = KS * ROWS;
   constexpr int LANES = B / V;  // lanes per residue block
@@ -469,8 +494,8 @@ __device__ __forceinline__ void extension_fast(const Params& p, const float* buf
     code[h] = encode_fast<FMT, N, 0>(part, d, y, unused);
   }
   const uint32_t hi = V == 1 ? __shfl_down_sync(kFull, code[0], 1) : 0u;
+  if (i >= rows || pos >= p.KE) return;
   const int64_t row = row0 + i;
-  if (!((live >> i) & 1u) || pos >= p.KE) return;
   const int W = p.K + p.KE;
   uint8_t* ext = p.codes + row * (W / 2) + p.K / 2 + pos / 2;
   if (V == 1) {
@@ -489,85 +514,210 @@ __device__ __forceinline__ void extension_fast(const Params& p, const float* buf
 
 // ---------------------------------------------------------------- kernel
 
+// What a thread keeps for the whole launch.
+template <int KW>
+struct Thread {
+  Tensor c;
+  float alpha, six_alpha;
+  uint32_t mask;
+  int g, lane, s;  // s: SPLIT, this lane's rank in its block (it computes rows = s mod L)
+  bool has_input, fast_tensor;
+  int pick[KW];
+  float* spill;
+  float* wbuf;
+  int64_t xs, cs, ss;  // row strides: input elements, code bytes, scale bytes
+};
+
+// One iteration: rows row0 .. row0 + rows - 1 (FULL: rows == ROWS, known at compile time, so
+// the common case carries no per-row bounds checks). xp, cp, sp: this thread's input, code and
+// scale-byte pointers at row row0 (sp: SPLIT, at row row0 + s).
+template <bool BF16, int FMT, int KSEL, int ROWS, bool FULL>
+__device__ __forceinline__ void iteration(const Params& p, const Thread<(KSEL > 0 && KSEL < 8 ? KSEL : 1)>& t,
+                                          const int64_t row0, const int rows_left, const uint16_t* xp, uint8_t* cp,
+                                          uint8_t* sp) {
+  constexpr int B = FMT == kNVFP4 ? 16 : 32;
+  constexpr int BASE_LANES = B / kGroup;
+  constexpr int KW = KSEL > 0 && KSEL < 8 ? KSEL : 1;
+  constexpr bool KEXT = KSEL > 0 && KSEL < 8;
+  constexpr int L = BASE_LANES;
+  constexpr bool SPLIT = ROWS >= L;       // the block's L lanes share its rows' scale work
+  constexpr int NB = SPLIT ? ROWS / L : ROWS;  // block scales this lane computes
+  const int rows = FULL ? ROWS : rows_left;
+  const int s = t.s, g = t.g;
+
+  uint4 raw[ROWS];
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) {
+    raw[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (t.has_input && (FULL || i < rows)) raw[i] = __ldcs(reinterpret_cast<const uint4*>(xp + i * t.xs));
+  }
+  float am[ROWS];
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) am[i] = packed_abs_max<BF16>(raw[i]);
+  // Block amaxes: SPLIT, bm[j] of row j*L + s; else bm[i] of row i. Two lanes per block (NVFP4):
+  // each lane sends its partner the half of the partner's row; four (MXFP4): every row's amax
+  // is reduced over the block's lanes and each lane keeps its own row's.
+  float bm[NB];
+#pragma unroll
+  for (int j = 0; j < NB; ++j) {
+    if (SPLIT && L == 2) {
+      const float mine = s ? am[2 * j + 1] : am[2 * j], theirs = s ? am[2 * j] : am[2 * j + 1];
+      bm[j] = fmaxf(mine, __shfl_xor_sync(kFull, theirs, 1));
+    } else if (SPLIT) {
+      float m = 0.0f;
+#pragma unroll
+      for (int k = 0; k < L; ++k) {
+        const float r = lane_max<L>(am[j * L + k]);
+        m = s == k ? r : m;
+      }
+      bm[j] = m;
+    } else {
+      bm[j] = lane_max<L>(am[j]);
+    }
+  }
+  float dj[NB], yj[NB];
+  uint8_t byte[NB];
+  bool ok = t.fast_tensor;
+#pragma unroll
+  for (int j = 0; j < NB; ++j) ok = block_scale_checked<FMT>(bm[j], t.c, &dj[j], &yj[j], &byte[j]) && ok;
+  if (!__all_sync(kFull, ok)) {
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i)
+      if (FULL || i < rows) process_row<BF16, FMT, KSEL>(p, raw[i], row0 + i, g, t.has_input, t.mask, t.alpha, t.six_alpha);
+    return;
+  }
+  float d[ROWS], y[ROWS];
+#pragma unroll
+  for (int j = 0; j < NB; ++j) {
+    if (SPLIT) {
+      if (t.has_input && (FULL || j * L + s < rows)) sp[j * L * t.ss] = byte[j];
+      // row j*L + k's divisor and reciprocal come from lane k of the block
+#pragma unroll
+      for (int k = 0; k < L; ++k) {
+        d[j * L + k] = __shfl_sync(kFull, dj[j], (t.lane & ~(L - 1)) | k);
+        y[j * L + k] = __shfl_sync(kFull, yj[j], (t.lane & ~(L - 1)) | k);
+      }
+    } else {
+      if (t.has_input && g % L == 0 && (FULL || j < rows)) sp[j * t.ss] = byte[j];
+      d[j] = dj[j];
+      y[j] = yj[j];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) {
+    if (!FULL && i >= rows) break;
+    float f[kGroup], r[kGroup];  // r: full, residues; K-Ext, grid sums
+    unpack_group<BF16>(raw[i], f);
+    const uint32_t base = encode_fast<FMT, kGroup, KSEL == 0 ? 0 : (KSEL == 8 ? 1 : 2)>(f, d[i], y[i], r);
+    if (t.has_input) *reinterpret_cast<uint32_t*>(cp + i * t.cs) = base;
+    if (KSEL == 8) {
+      float unused[kGroup];
+      uint8_t byte;
+      const float ra = lane_max<BASE_LANES>(abs_max(r));
+      const uint32_t res = quantize_fast<FMT, BASE_LANES, kGroup, 0>(r, ra, t.c, &byte, unused);
+      if (t.has_input) {
+        const int64_t row = row0 + i;
+        *reinterpret_cast<uint32_t*>(p.rcodes + row * (p.K / 2) + g * 4) = res;
+        if (g % BASE_LANES == 0) p.rscales[row * (p.K / B) + g / BASE_LANES] = byte;
+      }
+    }
+    if (KEXT) {
+      // The residues of the selected channels only, in ascending channel order. Each input goes
+      // through this thread's slots in shared memory next to its grid sum, (x_j, g_j) pairs
+      // (`pick`: each selection slot's pair; a missing bit reads a zero pair).
+      float4* s4 = reinterpret_cast<float4*>(t.spill);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s4[c * kThreads + threadIdx.x] = make_float4(f[2 * c], r[2 * c], f[2 * c + 1], r[2 * c + 1]);
+      const float2* s2 = reinterpret_cast<const float2*>(t.spill);
+      float e[KW];
+#pragma unroll
+      for (int k = 0; k < KW; ++k) {
+        const float2 xg = s2[t.pick[k]];
+        e[k] = residue_fast(xg.x, xg.y, d[i]);
+      }
+      float* ext_row = t.wbuf + i * 32 * KW + t.lane * KW;
+      if (KW == 4) *reinterpret_cast<float4*>(ext_row) = make_float4(e[0], e[KW > 1 ? 1 : 0], e[KW > 2 ? 2 : 0], e[KW > 3 ? 3 : 0]);
+      else if (KW == 2) *reinterpret_cast<float2*>(ext_row) = make_float2(e[0], e[KW > 1 ? 1 : 0]);
+      else ext_row[0] = e[0];
+    }
+  }
+  if (KEXT) {
+    __syncwarp();
+    extension_fast<FMT, KW, ROWS>(p, t.wbuf, row0, g, rows, t.c);
+    __syncwarp();  // the buffer is rewritten by the next rows
+  }
+}
+
 // KSEL: channels selected per group: 0 (plain), 1/2/4 (K-Ext), 8 (full, separate outputs).
 // ROWS: rows per thread and iteration; their loads are all issued before any compute, so that
-// more bytes are in flight per thread.
+// more bytes are in flight per thread. An iteration's rows take the fast path together or, when
+// a block of one of them breaks its conditions anywhere in the warp, the exact path together.
+// NVFP4 with ROWS >= 2 splits the base block scales over the two lanes of a block: lane parity
+// s reduces the amax of rows i = s (mod 2) from both lanes' halves, computes and stores their
+// scales, and the pair trades d and y for the other rows, which halves the per-block scale work
+// (an exact division, the E4M3 round trip, a refined reciprocal).
 template <bool BF16, int FMT, int KSEL, int ROWS>
 __global__ void __launch_bounds__(kThreads) quantize_extend_kernel(const Params p) {
   constexpr int B = FMT == kNVFP4 ? 16 : 32;
   constexpr int BASE_LANES = B / kGroup;
   constexpr int KW = KSEL > 0 && KSEL < 8 ? KSEL : 1;
-  const int g = blockIdx.x * kThreads + threadIdx.x;
-  const bool has_input = g < p.K / kGroup;
-  const float alpha = FMT == kNVFP4 ? *p.alpha : 0.0f;
-  const float six_alpha = __fmul_rn(6.0f, alpha);
-  const uint32_t mask = (KSEL > 0 && KSEL < 8 && has_input) ? p.mask[g] : 0u;
-  const uint16_t* x = static_cast<const uint16_t*>(p.x) + static_cast<int64_t>(g) * kGroup;
-
-  Tensor c;
-  c.alpha = alpha;
-  c.six_alpha = six_alpha;
-  c.y6 = FMT == kNVFP4 ? refined_reciprocal(six_alpha) : 0.0f;
-  c.bound = __fmul_rn(__fmul_rn(448.0f, alpha), 1.2676506002282294e30f /* 2^100 */);
-  c.rounding = p.rounding;
+  constexpr bool KEXT = KSEL > 0 && KSEL < 8;
+  constexpr bool SPLIT = ROWS >= BASE_LANES;
+  Thread<KW> t;
+  t.g = blockIdx.x * kThreads + threadIdx.x;
+  t.has_input = t.g < p.K / kGroup;
+  t.lane = threadIdx.x & 31;
+  t.s = t.lane % BASE_LANES;
+  t.alpha = FMT == kNVFP4 ? *p.alpha : 0.0f;
+  t.six_alpha = __fmul_rn(6.0f, t.alpha);
+  t.mask = (KEXT && t.has_input) ? p.mask[t.g] : 0u;
+  t.c.alpha = t.alpha;
+  t.c.six_alpha = t.six_alpha;
+  t.c.y6 = FMT == kNVFP4 ? refined_reciprocal(t.six_alpha) : 0.0f;
+  t.c.bound = __fmul_rn(__fmul_rn(448.0f, t.alpha), 1.2676506002282294e30f /* 2^100 */);
+  t.c.y_six = refined_reciprocal(6.0f);
+  t.c.rounding = p.rounding;
   // alpha in [2^-87, 36]: every NVFP4 divisor in [2^-96, 2^14] (see the fast-path notes).
-  const bool fast_tensor = FMT != kNVFP4 || (alpha >= 6.462348535570529e-27f /* 2^-87 */ && alpha <= 36.0f);
+  t.fast_tensor = FMT != kNVFP4 || (t.alpha >= 6.462348535570529e-27f /* 2^-87 */ && t.alpha <= 36.0f);
 
-  // This group's selection, ascending (slot k: the k-th lowest mask bit), as word offsets into
-  // the thread's input slots in `spill`: channel j < 4 at [4*tid + j], j >= 4 at
-  // [4*(kThreads + tid) + j - 4], a zero word at [8*kThreads + tid] for a missing bit; the grid
-  // magnitudes mirror that layout kSpillM words further.
-  __shared__ float spill[KSEL > 0 && KSEL < 8 ? 2 * kSpillM : 1];
-  int pick[KW];
+  // This group's selection, ascending (slot k: the k-th lowest mask bit), as float2 offsets into
+  // the thread's (input, grid sum) pairs in `spill`: channel j at [2*(j/2*kThreads + tid) + j%2]
+  // (the pairs of channels 2c, 2c+1 are one float4, at float4 [c*kThreads + tid]), a zero pair at
+  // [8*kThreads + tid] for a missing bit.
+  __shared__ __align__(16) float spill[KEXT ? 18 * kThreads : 1];
+  t.spill = spill;
   {
     const int tid = threadIdx.x;
-    if (KSEL > 0 && KSEL < 8) spill[8 * kThreads + tid] = spill[kSpillM + 8 * kThreads + tid] = 0.0f;
-    uint32_t m = mask;
+    if (KEXT) reinterpret_cast<float2*>(spill)[8 * kThreads + tid] = make_float2(0.0f, 0.0f);
+    uint32_t m = t.mask;
 #pragma unroll
     for (int k = 0; k < KW; ++k) {
       const int j = __ffs(m) - 1;
       m &= m - 1u;
-      pick[k] = j < 0 ? 8 * kThreads + tid : (j < 4 ? 4 * tid + j : 4 * (kThreads + tid) + j - 4);
+      t.pick[k] = j < 0 ? 8 * kThreads + tid : 2 * ((j / 2) * kThreads + tid) + j % 2;
     }
   }
 
   // The warps' transposition buffers for the extension (see extension_fast).
-  constexpr bool KEXT = KSEL > 0 && KSEL < 8;
-  __shared__ float xbuf[KEXT ? kThreads * KW * ROWS : 1];
-  float* wbuf = xbuf + (threadIdx.x / 32) * 32 * KW * ROWS;
-  const int lane = threadIdx.x & 31;
+  __shared__ __align__(16) float xbuf[KEXT ? kThreads * KW * ROWS : 1];
+  t.wbuf = xbuf + (threadIdx.x / 32) * 32 * KW * ROWS;
 
-  for (int64_t row0 = static_cast<int64_t>(blockIdx.y) * ROWS; row0 < p.M;
-       row0 += static_cast<int64_t>(gridDim.y) * ROWS) {
-    uint4 raw[ROWS];
-#pragma unroll
-    for (int i = 0; i < ROWS; ++i) {
-      raw[i] = make_uint4(0u, 0u, 0u, 0u);
-      if (has_input && row0 + i < p.M) raw[i] = __ldcs(reinterpret_cast<const uint4*>(x + (row0 + i) * p.K));
-    }
-    unsigned live = 0;  // rows on the fast path, whose extension is still to be quantized
-#pragma unroll
-    for (int i = 0; i < ROWS; ++i) {
-      if (row0 + i >= p.M) continue;  // uniform across the CTA: one row at a time
-      float f[kGroup];
-      unpack_group<BF16>(raw[i], f);
-      const float amax = lane_max<BASE_LANES>(abs_max(f));
-      bool ok = fast_tensor;
-      if (FMT == kNVFP4) ok = ok && amax <= c.bound;
-      else ok = ok && mxfp4_exponent(amax, p.rounding) <= 14;
-      if (__all_sync(kFull, ok)) {
-        process_row_fast<FMT, KSEL>(p, f, amax, row0 + i, g, has_input, pick, spill, wbuf + i * 32 * KW + lane * KW, c);
-        live |= 1u << i;
-      } else {
-        process_row<BF16, FMT, KSEL>(p, raw[i], row0 + i, g, has_input, mask, alpha, six_alpha);
-      }
-    }
-    if (KEXT) {
-      __syncwarp();
-      extension_fast<FMT, KW, ROWS>(p, wbuf, row0, g, live, c);
-      __syncwarp();  // the buffer is rewritten by the next rows
-    }
-  }
+  // Row pointers, advanced by whole iterations (no per-row 64-bit index arithmetic).
+  const int64_t W = p.K + p.KE;
+  t.xs = p.K;
+  t.cs = W / 2;
+  t.ss = W / B;
+  const int64_t first = static_cast<int64_t>(blockIdx.y) * ROWS, step = static_cast<int64_t>(gridDim.y) * ROWS;
+  const uint16_t* xp = static_cast<const uint16_t*>(p.x) + first * t.xs + static_cast<int64_t>(t.g) * kGroup;
+  uint8_t* cp = p.codes + first * t.cs + static_cast<int64_t>(t.g) * 4;
+  // This lane's scale bytes: SPLIT, row j*L + s at sp + j*L*ss; else row i at sp + i*ss.
+  uint8_t* sp = p.scales + first * t.ss + t.g / BASE_LANES + (SPLIT ? t.s * t.ss : 0);
+  const int64_t xstep = step * t.xs, cstep = step * t.cs, sstep = step * t.ss;
+
+  int64_t row0 = first;
+  for (; row0 + ROWS <= p.M; row0 += step, xp += xstep, cp += cstep, sp += sstep)
+    iteration<BF16, FMT, KSEL, ROWS, true>(p, t, row0, ROWS, xp, cp, sp);
+  if (row0 < p.M) iteration<BF16, FMT, KSEL, ROWS, false>(p, t, row0, static_cast<int>(p.M - row0), xp, cp, sp);
 }
 
 template <bool BF16, int FMT, int ROWS>

@@ -78,16 +78,21 @@ def test_kernel_e2m1_rule_matches_reference_on_every_tie_and_a_dense_sweep():
 
 
 def kernel_e2m1_fast(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fast path's rule (quantize_extend.cu, e2m1_grid and encode_fast), in torch FP32:
-    a = min(|q|, 6), p = the power of two of max(a, 1), t = a + 1.5*2^22*p (one rounding: the
-    product is exact), v = t - 1.5*2^22*p (exact); code = bits(v * 2^-126) >> 22. Returns
-    (code, v)."""
-    a = torch.clamp(q.float().abs(), max=6.0)
+    """The fast path's rule (quantize_extend.cu, e2m1_sum, e2m1_nibble, e2m1_value), in torch:
+    a = min(|q|, 6), p = the power of two of max(a, 1), g = a + (1.5*2^22 + 1)*p in FP32 (one
+    rounding: the product is exact); nibble = (mulhi(bits(g), 2^32 - 3*2^10) & 7) | sign of q in
+    bit 3; v = g - float(bits(g) & 0xFF800000) * (1.5 + 2^-22). Returns (nibble, v)."""
+    q = q.float() + 0.0  # the kernel's quotients are never -0 (its division maps x = -0 to +0)
+    a = torch.clamp(q.abs(), max=6.0)
     p = (torch.clamp(a, min=1.0).view(torch.int32) & 0x7F800000).view(torch.float32)
-    m = p * 6291456.0
-    v = (a + m) - m
-    code = (v * 2.0**-126).view(torch.int32) >> 22
-    return code.to(torch.int64), v
+    g = a + p * 6291457.0
+    gb = g.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    code = ((gb * 0xFFFFF400) >> 32) & 7
+    qs = (q.view(torch.int32).to(torch.int64) & 0xFFFFFFFF) >> 28
+    h = (g.view(torch.int32) & 0xFF800000).view(torch.float32)
+    v = g - h * (1.5 + 2.0**-22)
+    assert torch.equal(v, g - p * 6291457.0)  # the full-compensation path's form, same values
+    return code | (qs & 8), v
 
 
 def test_kernel_fast_e2m1_rule_matches_reference_on_every_tie_and_a_dense_sweep():
@@ -100,9 +105,9 @@ def test_kernel_fast_e2m1_rule_matches_reference_on_every_tie_and_a_dense_sweep(
     near = torch.cat([torch.nextafter(t, torch.zeros_like(t)), torch.nextafter(t, torch.full_like(t, 9.0)), t])
     a = torch.cat([sweep, near, -sweep])
     code, v = kernel_e2m1_fast(a)
-    want = encode_e2m1(a).to(torch.int64) & 7  # magnitude code; the sign comes from q separately
+    want = encode_e2m1(a).to(torch.int64)  # with the sign: -0 only for negative quotients
     assert torch.equal(code, want)
-    assert torch.equal(v, torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])[want])
+    assert torch.equal(v, torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])[want & 7])
 
 
 def test_reference_backend_is_extended_activation():
