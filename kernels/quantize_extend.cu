@@ -528,12 +528,42 @@ struct Thread {
   int64_t xs, cs, ss;  // row strides: input elements, code bytes, scale bytes
 };
 
+// Starts copying this thread's inputs of rows row0 .. row0 + rows - 1 into its slots of the
+// shared buffer at `to` ([ROWS][kThreads] 16-byte slots; zeros past the last row or group) with
+// asynchronous copies, as one commit group: no registers are held while the copy is in flight.
+// xo[i]: row i's offset from row 0 in elements (precomputed: no 64-bit multiplies per row).
+// FULL: all ROWS rows exist, no predicates.
+template <int ROWS, bool FULL>
+__device__ __forceinline__ void stage_rows(uint32_t to, const uint16_t* xp, const int64_t (&xo)[ROWS], int rows,
+                                           bool has_input) {
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) {
+    const bool live = has_input && (FULL || i < rows);
+    const uint16_t* src = i == 0 ? xp : xp + xo[i];
+    if (FULL) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to + i * kThreads * 16), "l"(src),
+                   "r"(has_input ? 16 : 0) : "memory");
+    } else {
+      // a row past the last is zero-filled from a valid address (row 0 of this thread, or x)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to + i * kThreads * 16),
+                   "l"(live ? src : xp), "r"(live ? 16 : 0) : "memory");
+    }
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int ROWS>
+__device__ __forceinline__ void read_rows(uint4 (&raw)[ROWS], const uint4* src) {
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) raw[i] = src[i * kThreads + threadIdx.x];
+}
+
 // One iteration: rows row0 .. row0 + rows - 1 (FULL: rows == ROWS, known at compile time, so
-// the common case carries no per-row bounds checks). xp, cp, sp: this thread's input, code and
-// scale-byte pointers at row row0 (sp: SPLIT, at row row0 + s).
+// the common case carries no per-row bounds checks), from their inputs `raw`. cp, sp: this
+// thread's code and scale-byte pointers at row row0 (sp: SPLIT, at row row0 + s).
 template <bool BF16, int FMT, int KSEL, int ROWS, bool FULL>
 __device__ __forceinline__ void iteration(const Params& p, const Thread<(KSEL > 0 && KSEL < 8 ? KSEL : 1)>& t,
-                                          const int64_t row0, const int rows_left, const uint16_t* xp, uint8_t* cp,
+                                          const int64_t row0, const int rows_left, const uint4 (&raw)[ROWS], uint8_t* cp,
                                           uint8_t* sp) {
   constexpr int B = FMT == kNVFP4 ? 16 : 32;
   constexpr int BASE_LANES = B / kGroup;
@@ -545,12 +575,6 @@ __device__ __forceinline__ void iteration(const Params& p, const Thread<(KSEL > 
   const int rows = FULL ? ROWS : rows_left;
   const int s = t.s, g = t.g;
 
-  uint4 raw[ROWS];
-#pragma unroll
-  for (int i = 0; i < ROWS; ++i) {
-    raw[i] = make_uint4(0u, 0u, 0u, 0u);
-    if (t.has_input && (FULL || i < rows)) raw[i] = __ldcs(reinterpret_cast<const uint4*>(xp + i * t.xs));
-  }
   float am[ROWS];
 #pragma unroll
   for (int i = 0; i < ROWS; ++i) am[i] = packed_abs_max<BF16>(raw[i]);
@@ -712,30 +736,80 @@ __global__ void __launch_bounds__(kThreads) quantize_extend_kernel(const Params 
   uint8_t* cp = p.codes + first * t.cs + static_cast<int64_t>(t.g) * 4;
   // This lane's scale bytes: SPLIT, row j*L + s at sp + j*L*ss; else row i at sp + i*ss.
   uint8_t* sp = p.scales + first * t.ss + t.g / BASE_LANES + (SPLIT ? t.s * t.ss : 0);
-  const int64_t xstep = step * t.xs, cstep = step * t.cs, sstep = step * t.ss;
+  int64_t xstep = step * t.xs;
+  const int64_t cstep = step * t.cs, sstep = step * t.ss;
 
+  // Software pipelined: the next iteration's rows are copied (asynchronously, into shared memory)
+  // before this one's are processed, so every warp keeps loads in flight while it computes.
+  // Without it, loads were outstanding only between iterations and the kernel waited on memory
+  // latency at about 2/3 of the copy rate.
+  __shared__ __align__(16) uint4 stage[2 * ROWS * kThreads];
+  const auto rows_at = [&](int64_t r) { return r >= p.M ? 0 : (p.M - r < ROWS ? static_cast<int>(p.M - r) : ROWS); };
+  int64_t xo[ROWS];
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) xo[i] = i * t.xs;
+  const uint32_t stage0 = static_cast<uint32_t>(__cvta_generic_to_shared(stage + threadIdx.x));
+  const uint32_t stage_bytes = ROWS * kThreads * 16;
   int64_t row0 = first;
-  for (; row0 + ROWS <= p.M; row0 += step, xp += xstep, cp += cstep, sp += sstep)
-    iteration<BF16, FMT, KSEL, ROWS, true>(p, t, row0, ROWS, xp, cp, sp);
-  if (row0 < p.M) iteration<BF16, FMT, KSEL, ROWS, false>(p, t, row0, static_cast<int>(p.M - row0), xp, cp, sp);
+  uint32_t buf = 0;  // byte offset of the buffer holding this iteration's rows
+  uint4 raw[ROWS];
+  // a thread without input never dereferences xp: point it at x (valid) for the zero fills
+  if (!t.has_input) xp = static_cast<const uint16_t*>(p.x), xstep = 0;
+  stage_rows<ROWS, false>(stage0, xp, xo, rows_at(row0), t.has_input);
+  for (; row0 + ROWS <= p.M; row0 += step, cp += cstep, sp += sstep) {
+    xp += xstep;
+    if (row0 + step + ROWS <= p.M) stage_rows<ROWS, true>(stage0 + (buf ^ stage_bytes), xp, xo, ROWS, t.has_input);
+    else stage_rows<ROWS, false>(stage0 + (buf ^ stage_bytes), xp, xo, rows_at(row0 + step), t.has_input);
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+    read_rows<ROWS>(raw, stage + buf / 16);
+    iteration<BF16, FMT, KSEL, ROWS, true>(p, t, row0, ROWS, raw, cp, sp);
+    buf ^= stage_bytes;
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  if (row0 < p.M) {
+    read_rows<ROWS>(raw, stage + buf / 16);
+    iteration<BF16, FMT, KSEL, ROWS, false>(p, t, row0, rows_at(row0), raw, cp, sp);
+  }
+}
+
+// CTAs that fit on the device at once for this kernel (occupancy x SMs); 0 if unknown. `cache`:
+// the kernel's own per-device cache (the query costs microseconds of host time per launch).
+inline int resident_ctas(void (*kernel)(Params), int (&cache)[64]) {
+  int dev = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  if (cache[dev] > 0) return cache[dev];
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0) != cudaSuccess)
+    return 0;
+  return cache[dev] = sms * per_sm;
+}
+
+// max_ctas: > 0, at most that many CTAs; 0, one CTA per ROWS rows (no cap); < 0, as many CTAs as
+// are resident at once, each looping over its rows (one wave: no partial last wave).
+template <bool BF16, int FMT, int KSEL, int ROWS>
+cudaError_t launch_kernel(const Params& p, int max_ctas, cudaStream_t stream) {
+  void (*kernel)(Params) = quantize_extend_kernel<BF16, FMT, KSEL, ROWS>;
+  static int resident[64] = {0};  // per instantiation, per device
+  const int64_t iters = (p.M + ROWS - 1) / ROWS;
+  const int64_t gx = (p.groups + kThreads - 1) / kThreads;
+  if (max_ctas < 0) max_ctas = resident_ctas(kernel, resident);
+  int64_t gy = iters < 65535 ? iters : 65535;
+  if (max_ctas > 0 && gy * gx > max_ctas) gy = max_ctas / gx > 0 ? max_ctas / gx : 1;
+  const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
+  kernel<<<grid, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 template <bool BF16, int FMT, int ROWS>
 cudaError_t launch_rows(const Params& p, int ksel, int max_ctas, cudaStream_t stream) {
-  const int64_t iters = (p.M + ROWS - 1) / ROWS;
-  const int64_t gx = (p.groups + kThreads - 1) / kThreads;
-  int64_t gy = iters < 65535 ? iters : 65535;
-  if (max_ctas > 0 && gy * gx > max_ctas) gy = max_ctas / gx > 0 ? max_ctas / gx : 1;
-  const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(gy));
   switch (ksel) {
-    case 0: quantize_extend_kernel<BF16, FMT, 0, ROWS><<<grid, kThreads, 0, stream>>>(p); break;
-    case 1: quantize_extend_kernel<BF16, FMT, 1, ROWS><<<grid, kThreads, 0, stream>>>(p); break;
-    case 2: quantize_extend_kernel<BF16, FMT, 2, ROWS><<<grid, kThreads, 0, stream>>>(p); break;
-    case 4: quantize_extend_kernel<BF16, FMT, 4, ROWS><<<grid, kThreads, 0, stream>>>(p); break;
-    case 8: quantize_extend_kernel<BF16, FMT, 8, ROWS><<<grid, kThreads, 0, stream>>>(p); break;
+    case 0: return launch_kernel<BF16, FMT, 0, ROWS>(p, max_ctas, stream);
+    case 1: return launch_kernel<BF16, FMT, 1, ROWS>(p, max_ctas, stream);
+    case 2: return launch_kernel<BF16, FMT, 2, ROWS>(p, max_ctas, stream);
+    case 4: return launch_kernel<BF16, FMT, 4, ROWS>(p, max_ctas, stream);
+    case 8: return launch_kernel<BF16, FMT, 8, ROWS>(p, max_ctas, stream);
     default: return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 template <bool BF16, int FMT>

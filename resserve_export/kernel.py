@@ -37,8 +37,18 @@ _SOURCES = ("quantize_extend.cu", "binding.cpp")
 CUDA_FLAGS = ("-O3", "-std=c++17", "-fmad=false")
 # Rows each thread loads before computing (1, 2 or 4): more bytes in flight per thread.
 DEFAULT_ROWS = int(os.environ.get("RESSERVE_KERNEL_ROWS", "4"))
-# Cap on CTAs per launch (0: none); capped CTAs loop over rows.
-DEFAULT_MAX_CTAS = int(os.environ.get("RESSERVE_KERNEL_MAX_CTAS", "0"))
+# Cap on CTAs per launch: > 0 at most that many, 0 none, < 0 as many as are resident at once
+# (occupancy x SMs, one wave); capped CTAs loop over rows. Unset: 16 per SM, the fastest in
+# bench/kernel.py's scan on the H200 (one-wave and uncapped grids were 2-12% slower).
+_MAX_CTAS_ENV = os.environ.get("RESSERVE_KERNEL_MAX_CTAS")
+CTAS_PER_SM = 16
+
+
+@functools.lru_cache(maxsize=None)
+def default_max_ctas(device_index: int) -> int:
+    if _MAX_CTAS_ENV is not None:
+        return int(_MAX_CTAS_ENV)
+    return CTAS_PER_SM * torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 class KernelUnavailable(UserError):
@@ -147,7 +157,7 @@ def _run(x: torch.Tensor, mask, ksel: int, fmt: str, alpha, rounding: ScaleRound
     _extension().quantize_extend_out(
         x, mask if mask is not None else empty, a, *out, ksel, _FMT_CODE[fmt], _ROUNDING_CODE[rounding], K_E,
         DEFAULT_ROWS if rows is None else rows,
-        DEFAULT_MAX_CTAS if max_ctas is None else max_ctas,
+        default_max_ctas(x.device.index if x.device.index is not None else torch.cuda.current_device()) if max_ctas is None else max_ctas,
     )
     return out
 
@@ -232,7 +242,8 @@ def quantize_extend_raw(x: torch.Tensor, mask, ksel: int, fmt: str, alpha, round
     """Launch into caller-provided uint8 outputs (tests poison them; the benchmark reuses them).
 
     x: contiguous 2-D CUDA bf16/fp16; out = (codes, scales, rcodes, rscales); ksel 0/1/2/4/8;
-    rows: rows per thread (1, 2, 4; default `DEFAULT_ROWS`); max_ctas: cap on CTAs (0: none).
+    rows: rows per thread (1, 2, 4; default `DEFAULT_ROWS`); max_ctas: cap on CTAs (0: none;
+    < 0: the CTAs resident at once; default `default_max_ctas`).
     """
     _run(x, mask, ksel, fmt, alpha, ScaleRounding(rounding), K_E, out=out, rows=rows, max_ctas=max_ctas)
 
