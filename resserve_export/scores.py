@@ -283,7 +283,9 @@ class Candidates:
             if mode == "full":
                 base, rq = kernel.quantize_full(x, self.fmt, alpha=alpha, rounding=self.rounding, backend="cuda")
             else:
-                q = kernel.quantize_extend(x, masks[r], r, self.fmt, alpha=alpha, rounding=self.rounding, backend="cuda")
+                q = kernel.quantize_extend(
+                    x, masks[r], r, self.fmt, alpha=alpha, rounding=self.rounding, backend="cuda", check_mask=False
+                )
                 base = FP4Tensor(q.fmt, q.codes[:, : K // 2], q.scales[:, : K // b], q.global_scale)
                 rq = FP4Tensor(q.fmt, q.codes[:, K // 2 :], q.scales[:, K // b :], q.global_scale)
                 assert rq.shape[-1] == width
@@ -442,11 +444,12 @@ def _sq_sums_split_eager(g: torch.Tensor, p: torch.Tensor, y: torch.Tensor, c: t
 
 
 def _fused(fn, device: torch.device):
-    """`fn` fused by `torch.compile` on CPU and CUDA (one read of each operand instead of a pass per
-    elementwise op: about 6 full FP32 passes over ``[M, N]`` per ratio in eager), eager on other
-    devices or with ``RESSERVE_BACKEND=reference``. A compiler failure falls back to eager
-    (`compiling.compile_or_eager`), per device type."""
-    if device.type not in ("cpu", "cuda") or os.environ.get("RESSERVE_BACKEND", "") == "reference":
+    """`fn` fused by `torch.compile` on CPU (one read of each operand instead of a pass per
+    elementwise op), eager elsewhere or with ``RESSERVE_BACKEND=reference``. Not on CUDA: there
+    the compiled reduction (a Triton kernel summing ``[M, N]`` to a few scalars) took 1.5 ms a call,
+    57% of the GPU time of a scoring batch on the H200, and eager was faster overall
+    (bench/results/plan.md). A compiler failure falls back to eager (`compiling.compile_or_eager`)."""
+    if device.type != "cpu" or os.environ.get("RESSERVE_BACKEND", "") == "reference":
         return fn
     return _compiled_reduction(fn, device.type)
 
@@ -530,13 +533,12 @@ def _compiled_exact(fmt: str, device_type: str):
 
 
 def _exact_operand(q: FP4Tensor, backend: str = "auto") -> torch.Tensor:
-    """`emulate.exact_operand(q)` (bf16). On CUDA (``auto``) or with ``compiled`` it is one
-    `torch.compile` graph: eager it is ~8 passes over the operand with FP32 and int64
-    intermediates, for every activation operand of every group and batch. Bit-identical to the
-    eager function (every step is exact; tested); ``RESSERVE_BACKEND=reference`` forces eager."""
+    """`emulate.exact_operand(q)` (bf16). With ``compiled`` it is one `torch.compile` graph (eager
+    it is ~8 passes over the operand with FP32 and int64 intermediates); bit-identical to the eager
+    function (every step is exact; tested). ``auto`` is eager: on the H200 the compiled graph was
+    not faster in a scoring run (bench/results/plan.md)."""
     if backend == "auto":
-        cuda = q.codes.device.type == "cuda" and os.environ.get("RESSERVE_BACKEND", "") != "reference"
-        backend = "compiled" if cuda else "reference"
+        backend = "reference"
     if backend == "reference":
         return exact_operand(q)
     return _compiled_exact(q.fmt, q.codes.device.type)(q.codes, q.scales, e2m1_table(q.codes.device))

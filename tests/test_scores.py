@@ -460,8 +460,8 @@ def test_gpu_products_write_fp32():
     got = S._mm_f32(a, b)
     want = a.double() @ b.double().T
     assert got.dtype == torch.float32
-    # FP32 sums: far closer than the bf16 output's 2⁻⁹.
-    assert float(((got.double() - want).abs() / want.abs().clamp(min=1)).max()) < 1e-5
+    # FP32 outputs: well inside a bf16 output's 2⁻⁹ (the H200's tensor-core sums: 1.2e-4 at K=512).
+    assert float(((got.double() - want).abs() / want.abs().clamp(min=1)).max()) < 2.0**-11
     x = torch.zeros(4, 64, dtype=torch.bfloat16, device=dev)
     lins = [torch.nn.Linear(64, 8).bfloat16().to(dev)]
     assert S._split_base(x, lins) and not S._split_base(x.half(), lins)
@@ -495,9 +495,9 @@ def test_gpu_member_scores_match_float64_oracle(fmt, dtype, monkeypatch):
 @cuda
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_gpu_graphs_compile(fmt):
-    """The GPU path's compiled graphs compile there (a failure would only show as a slow eager
-    fallback in the scores) and give the eager results: the reductions to FP32 rounding, the
-    exact operands bit for bit."""
+    """The compiled graphs (the CPU path's reductions, the ``compiled`` exact operands) compile on
+    a GPU too and give the eager results there: the reductions to FP32 rounding, the exact
+    operands bit for bit. The GPU path itself runs them eager (`scores._fused`)."""
     from resserve_export.emulate import exact_operand
     from resserve_export.fp4 import e2m1_table
     from resserve_export.formats import quantize
