@@ -9,7 +9,8 @@
 //   nvcc -std=c++17 -O3 -fmad=false -arch=sm_90 -c kernels/quantize_extend.cu
 //
 // Layout of the work: one thread = one selection group = 8 consecutive channels of one row,
-// loaded with one 16-byte load. A CTA covers THREADS consecutive groups of one row, so a warp
+// 16 bytes (copied into shared memory asynchronously one iteration ahead, ROWS rows at a time).
+// A CTA covers THREADS consecutive groups of one row, so a warp
 // never straddles rows and lane l holds group 32w + l. Block amax is reduced with warp shuffles
 // over adjacent lanes: NVFP4 (16) = 2 lanes, MXFP4 (32) = 4 lanes. With k = 8*ratio channels
 // selected in every group, group g's residues land at compacted positions g*k .. g*k + k - 1,
@@ -18,8 +19,8 @@
 // together and quantizes them transposed (`extension_fast`): lane l takes k*ROWS consecutive
 // ones, so a residue block spans B/(k*ROWS) lanes and one block scale serves ROWS rows' worth.
 // Lanes past the last group (up to K_E/k) carry zero residues and write the zero padding.
-// The fast path takes a row when its inputs meet the conditions under "fast path" below; a warp
-// whose row does not runs the exact path for that row.
+// The fast path takes an iteration's ROWS rows when their blocks meet the conditions under
+// "fast path" below; a warp whose rows do not runs the exact path for them.
 //
 // Arithmetic is the reference's, operation for operation (nvfp4.py, mxfp4.py, fp4.py), written
 // with explicit round-to-nearest intrinsics so that no multiply is fused into an add; build with
