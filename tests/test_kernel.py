@@ -290,3 +290,15 @@ def test_wrapper_rejects_a_mask_with_the_wrong_count():
     mask = torch.full((32,), 0b11, dtype=torch.uint8)  # two channels per group, ratio asks for one
     with pytest.raises(ValueError, match="exactly 1"):
         kernel.quantize_extend(torch.ones(2, 256, dtype=torch.bfloat16, device="cuda"), mask, 0.125, "nvfp4")
+
+
+def test_mask_check_counts_bits_only_when_asked():
+    """`quantize_extend(check_mask=False)` (the grad scores' masks, checked when built) skips the
+    bit count, a GPU sync per launch; the shape and dtype checks stay."""
+    wrong = torch.full((32,), 0b11, dtype=torch.uint8)  # two channels per group
+    with pytest.raises(ValueError, match="exactly 1"):
+        kernel._check_mask(wrong, 256, 1, torch.device("cpu"))
+    assert torch.equal(kernel._check_mask(wrong, 256, 1, torch.device("cpu"), count=False), wrong)
+    assert torch.equal(kernel._check_mask(wrong.reshape(4, 8), 256, 2, torch.device("cpu")), wrong)
+    with pytest.raises(ValueError, match="uint8"):
+        kernel._check_mask(wrong[:31], 256, 2, torch.device("cpu"), count=False)
