@@ -41,8 +41,7 @@ from .formats import dequantize, quantize
 from .kext import extend_weight, residue
 from .groups import Group
 from . import mxfp4, nvfp4
-from .constants import BLOCK, E8M0_BIAS
-from .fp4 import e2m1_table, unpack_fp4
+from .constants import BLOCK
 from .mxfp4 import ScaleRounding
 from .nvfp4 import global_scale
 from .qtensor import FP4Tensor
@@ -267,8 +266,8 @@ class Candidates:
     def _prepare_with_kernel(self, x, comp, modes, widths):
         """(X̂', {ρ: R̂'_ρ}) through the fused CUDA kernel (bit-identical to the reference: it is
         checked against `kext.extended_activation` / `kext.full_residue` bit for bit): one launch
-        per compensated ratio gives X̂ and that ratio's residue operand. The bf16 operands come
-        from `_exact_operand` (one compiled pass, no host sync)."""
+        per compensated ratio gives X̂ and that ratio's residue operand (bf16 through
+        `emulate.exact_operand`)."""
         from . import kernel
 
         K = x.shape[-1]
@@ -290,10 +289,10 @@ class Candidates:
                 rq = FP4Tensor(q.fmt, q.codes[:, K // 2 :], q.scales[:, K // b :], q.global_scale)
                 assert rq.shape[-1] == width
             xq = base if xq is None else xq
-            extra[r] = _exact_operand(rq)
+            extra[r] = exact_operand(rq)
         if xq is None:
             xq = quantize(x, self.fmt, alpha=alpha, rounding=self.rounding, backend="reference")
-        return _exact_operand(xq), extra
+        return exact_operand(xq), extra
 
     def member_sums_fast(self, prepared, i: int, grad: torch.Tensor) -> torch.Tensor:
         """[Σ (∂L/∂Y ⊙ (Y_q(ρ) − Y))² for ρ in `ratios`] of member i, float64 on grad's device, for a
@@ -511,37 +510,6 @@ def _base_operand(xhat: torch.Tensor, x: torch.Tensor, split: bool, twice: bool)
         return xhat, x
     xb = x.to(torch.bfloat16)
     return torch.cat([xhat, xb] + ([xb] if twice else []), dim=1)
-
-
-def _exact_body(codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor, *, fmt: str) -> torch.Tensor:
-    """`emulate.exact_operand` of packed codes ``[M, K/2]`` and their block scales, in bf16:
-    `formats.dequantize`'s steps with α = 1, with the E2M1 value table passed in (so that a
-    compiled graph on a GPU does not copy it from the host at every call)."""
-    b = BLOCK[fmt]
-    lead = codes.shape[:-1]
-    vals = table[unpack_fp4(codes.reshape(*lead, -1, b // 2)).long()]  # fp4.decode_e2m1
-    if fmt == "nvfp4":
-        vals = vals * scales.float().unsqueeze(-1)  # nvfp4.dequantize_blocks with α = 1
-    else:
-        vals = vals * mxfp4.exp2_exact(scales.to(torch.int32) - E8M0_BIAS).unsqueeze(-1)
-    return vals.reshape(*lead, -1).to(torch.bfloat16)
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_exact(fmt: str, device_type: str):
-    return compile_or_eager(functools.partial(_exact_body, fmt=fmt), dynamic=True, fullgraph=True)
-
-
-def _exact_operand(q: FP4Tensor, backend: str = "auto") -> torch.Tensor:
-    """`emulate.exact_operand(q)` (bf16). With ``compiled`` it is one `torch.compile` graph (eager
-    it is ~8 passes over the operand with FP32 and int64 intermediates); bit-identical to the eager
-    function (every step is exact; tested). ``auto`` is eager: on the H200 the compiled graph was
-    not faster in a scoring run (bench/results/plan.md)."""
-    if backend == "auto":
-        backend = "reference"
-    if backend == "reference":
-        return exact_operand(q)
-    return _compiled_exact(q.fmt, q.codes.device.type)(q.codes, q.scales, e2m1_table(q.codes.device))
 
 
 PRECISIONS = ("auto", "fp32", "bf16")

@@ -1,7 +1,6 @@
 """Sensitivity scores (SPEC §10): exact against the emulated linear, padding-blind, and on SmolLM2
 a budget plan built from them beats a uniform ratio at the same bits."""
 
-import functools
 import math
 
 import pytest
@@ -361,23 +360,6 @@ def _assert_same_operands(a, b):
         assert u.dtype == v.dtype and torch.equal(u, v)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_compiled_exact_operand_is_bit_identical(fmt, gen):
-    """The compiled `_exact_operand` (what the GPU path runs) against `emulate.exact_operand`, on a
-    whole operand and on a column slice of a wider one (the kernel's base and extension halves)."""
-    from resserve_export.emulate import exact_operand
-    from resserve_export.formats import quantize
-    from resserve_export.qtensor import FP4Tensor
-
-    x = (torch.randn(70, 256, generator=gen) * torch.rand(70, 1, generator=gen) * 30).bfloat16()
-    q = quantize(x, fmt, alpha=None)
-    b = 16 if fmt == "nvfp4" else 32
-    half = FP4Tensor(fmt, q.codes[:, 64:], q.scales[:, 128 // b :], q.global_scale)
-    for t in (q, half):
-        got = S._exact_operand(t, backend="compiled")
-        assert got.dtype == torch.bfloat16 and torch.equal(got, exact_operand(t))
-
-
 def test_split_reduction_compiled_matches_eager(gen):
     g, p, y = (torch.randn(5000, generator=gen) for _ in range(3))
     es = [torch.randn(5000, generator=gen).bfloat16() for _ in range(4)]
@@ -489,41 +471,6 @@ def test_gpu_member_scores_match_float64_oracle(fmt, dtype, monkeypatch):
     cpu = cc.member_scores_fast(cc.prepare_fast(xc, backend="reference", split=True), 0, gc)
     for r in RATIOS:
         assert math.isclose(got[True][r], cpu[r], rel_tol=1e-4), (fmt, r, got[True][r], cpu[r])
-
-
-@pytest.mark.gpu
-@cuda
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_gpu_graphs_compile(fmt):
-    """The compiled graphs (the CPU path's reductions, the ``compiled`` exact operands) compile on
-    a GPU too and give the eager results there: the reductions to FP32 rounding, the exact
-    operands bit for bit. The GPU path itself runs them eager (`scores._fused`)."""
-    from resserve_export.emulate import exact_operand
-    from resserve_export.fp4 import e2m1_table
-    from resserve_export.formats import quantize
-
-    dev = torch.device("cuda", torch.cuda.current_device())
-    g = torch.Generator(device=dev).manual_seed(0)
-    n = 3 * 4096 * 96
-    gr, p, y = (torch.randn(n, device=dev, generator=g) for _ in range(3))
-    es = [torch.randn(n, device=dev, generator=g).bfloat16() for _ in range(4)]
-    c = torch.tensor(0.37, device=dev)
-    reduce_split = torch.compile(S._sq_sums_split_eager, dynamic=True, fullgraph=True)
-    reduce_fused = torch.compile(S._sq_sums_eager, dynamic=True, fullgraph=True)
-    for n2 in (n, n // 3):  # a second size: the same graph (dynamic shapes)
-        args = (gr[:n2].bfloat16(), p[:n2], y[:n2], c, *(e[:n2] for e in es))
-        assert torch.allclose(reduce_split(*args), S._sq_sums_split_eager(*args), rtol=1e-5, atol=0)
-        args = (gr[:n2].bfloat16(), p[:n2].bfloat16(), *(e[:n2] for e in es))
-        assert torch.allclose(reduce_fused(*args), S._sq_sums_eager(*args), rtol=1e-5, atol=0)
-    exact = torch.compile(functools.partial(S._exact_body, fmt=fmt), dynamic=True, fullgraph=True)
-    x = (torch.randn(300, 512, device=dev, generator=g) * 20).bfloat16()
-    q = quantize(x, fmt, alpha=None, backend="reference")
-    for codes, scales in ((q.codes, q.scales), (q.codes[:, 128:], q.scales[:, 256 // (16 if fmt == "nvfp4" else 32) :])):
-        from resserve_export.qtensor import FP4Tensor
-
-        t = FP4Tensor(fmt, codes, scales, q.global_scale)
-        assert torch.equal(exact(codes, scales, e2m1_table(dev)), exact_operand(t))
-        assert torch.equal(S._exact_operand(t), exact_operand(t))
 
 
 @pytest.mark.gpu
