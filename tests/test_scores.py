@@ -307,6 +307,21 @@ def _oracle_member(c, x, i, grad):
     return {r: float((((c.outputs(x, r, i).double() - (0 if c.biases[i] is None else c.biases[i].double())) - y) * g).pow(2).sum()) for r in c.ratios}
 
 
+def _oracle_scores(model, groups, batches, cands) -> dict:
+    """{group: {ratio key: float64 oracle score per token}} from retain_grad on every linear output
+    (`_oracle_member` per member, every position a target)."""
+    ref = {g.modules: {r: 0.0 for r in RATIOS} for g in groups}
+    tokens = 0
+    for b in batches:
+        outs, n = _outputs_with_grads(model, groups, b, masked=False)
+        tokens += n
+        for (key, i), (x, y) in outs.items():
+            o = _oracle_member(cands[key], x.reshape(-1, x.shape[-1]), i, y.grad.reshape(-1, y.shape[-1]))
+            for r in RATIOS:
+                ref[key][r] += o[r]
+    return {key: {S.ratio_key(r): v / tokens for r, v in per.items()} for key, per in ref.items()}
+
+
 def _random_layer(fmt, device="cpu", dtype=torch.bfloat16):
     """(Candidates, x, ∂L/∂Y) of a random layer with outlier channels in `dtype` on `device`."""
     from resserve_export.groups import Group
@@ -486,19 +501,10 @@ def test_gpu_grad_scores_match_float64_oracle(tiny_bf16, fmt):
     got = S.compute_scores(model, batches, stats, groups, "grad", fmt=fmt, show_progress=False)
     assert got["precision"] == "bf16"
     cands = S.build_candidates(model, groups, stats, RATIOS, fmt=fmt)
-    ref = {g.modules: {r: 0.0 for r in RATIOS} for g in groups}
-    tokens = 0
-    for b in batches:
-        outs, n = _outputs_with_grads(model, groups, {k: v.cuda() for k, v in b.items()}, masked=False)
-        tokens += n
-        for (key, i), (x, y) in outs.items():
-            o = _oracle_member(cands[key], x.reshape(-1, x.shape[-1]), i, y.grad.reshape(-1, y.shape[-1]))
-            for r in RATIOS:
-                ref[key][r] += o[r]
+    ref = _oracle_scores(model, groups, [{k: v.cuda() for k, v in b.items()} for b in batches], cands)
     for gr in got["groups"]:
-        for r in RATIOS:
-            want = ref[tuple(gr["modules"])][r] / tokens
-            assert math.isclose(gr["scores"][S.ratio_key(r)], want, rel_tol=3e-3), (fmt, gr["modules"], r)
+        for k, want in ref[tuple(gr["modules"])].items():
+            assert math.isclose(gr["scores"][k], want, rel_tol=3e-3), (fmt, gr["modules"], k)
 
 
 @pytest.fixture(scope="module")
@@ -521,18 +527,9 @@ def test_fast_grad_scores_match_float64_oracle(tiny_bf16, fmt, split, monkeypatc
     fast = S.compute_scores(model, batches, stats, groups, "grad", fmt=fmt, candidates=cands, show_progress=False, precision="bf16")
     slow = S.compute_scores(model, batches, stats, groups, "grad", fmt=fmt, candidates=cands, show_progress=False, precision="fp32")
     assert fast["precision"] == "bf16" and slow["precision"] == "fp32"
-    ref = {g.modules: {r: 0.0 for r in RATIOS} for g in groups}
-    tokens = 0
-    for b in batches:
-        outs, n = _outputs_with_grads(model, groups, b, masked=False)
-        tokens += n
-        for (key, i), (x, y) in outs.items():
-            o = _oracle_member(cands[key], x.reshape(-1, x.shape[-1]), i, y.grad.reshape(-1, y.shape[-1]))
-            for r in RATIOS:
-                ref[key][r] += o[r]
+    ref = _oracle_scores(model, groups, batches, cands)
     for gf, gs in zip(fast["groups"], slow["groups"]):
-        want = {S.ratio_key(r): v / tokens for r, v in ref[tuple(gf["modules"])].items()}
-        for k, v in want.items():
+        for k, v in ref[tuple(gf["modules"])].items():
             assert math.isclose(gf["scores"][k], v, rel_tol=3e-3), (fmt, gf["modules"], k, gf["scores"][k], v)
             assert math.isclose(gs["scores"][k], v, rel_tol=5e-2), (fmt, gs["modules"], k, gs["scores"][k], v)
 
