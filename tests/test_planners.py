@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from planners import Infeasible, Problem, canonicalize, objective, solve, total_cost
-from planners import brute, greedy, ilp
+from resserve_export.planners import Infeasible, Problem, canonicalize, objective, solve, total_cost
+from resserve_export.planners import brute, greedy, ilp
 
 SOLVERS = ["cbc"] + (["highs"] if ilp.available("highs") else [])
 
