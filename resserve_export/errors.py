@@ -12,3 +12,13 @@ class UserError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+
+class CheckpointMismatch(UserError):
+    """The stored weights differ from a fresh quantization of the given model.
+
+    Its own exit code (3) lets scripts tell "this checkpoint was not packed from this model"
+    apart from a usage or input error (2).
+    """
+
+    exit_code = 3

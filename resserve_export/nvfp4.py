@@ -9,6 +9,8 @@ Operation order is fixed so that CPU, GPU, the CUDA kernel and ModelOpt 0.47's
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 from .constants import F4_E2M1_MAX, F8_E4M3_MAX, F8_E4M3_MIN_SCALE, NVFP4_BLOCK, NVFP4_GLOBAL_DIVISOR
@@ -21,6 +23,22 @@ def global_scale(amax: torch.Tensor) -> torch.Tensor:
     # Divide by a tensor, not a Python scalar: CUDA turns `t / scalar` into `t * (1/scalar)`,
     # which can differ from the IEEE division in the last bit.
     return amax / torch.tensor(NVFP4_GLOBAL_DIVISOR, dtype=torch.float32, device=amax.device)
+
+
+def group_global_scale(weights: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The one α of a fused group (q/k/v, gate/up): `global_scale` of the max over members of amax(W).
+
+    vLLM serves a fused group with a single ``weight_scale_2`` (the max of the members') and does
+    not requantize, so every member is quantized with this α (SPEC §3). `pack` writes it and
+    `verify` recomputes it from the model, so both go through this function. Members are consumed
+    one at a time (an iterable, so a caller can read them lazily) and each amax comes from one
+    ``aminmax`` pass, without an |W| temporary. Float32 0-d on the CPU.
+    """
+    amax = torch.zeros((), dtype=torch.float32)
+    for w in weights:
+        lo, hi = torch.aminmax(w)
+        amax = torch.maximum(amax, torch.maximum(-lo.float(), hi.float()).cpu())
+    return global_scale(amax)
 
 
 def block_scales(block_amax: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:

@@ -1,14 +1,20 @@
 """`verify`: read a packed checkpoint back and measure what it costs and what compensation buys.
 
+First, unless skipped, every stored tensor is compared bit for bit with a fresh quantization of
+the model (`check_weights_match`): measuring a checkpoint against a model it was not packed from
+gives numbers about neither, so a mismatch stops the run (`CheckpointMismatch`, exit code 3).
+
 For every quantized linear (SPEC §12): the checkpoint's FP4 weights (base and, for partial
-ratios, the stored K-Ext extension) are read back; real inputs are captured from the bf16 model
-on held-out text (padding excluded); each input is quantized the way the server does it — the
-fused CUDA kernel on a GPU, the PyTorch reference on the CPU — with the checkpoint's static input
-scale, and the linear output is compared with the FP32 product of the original bf16 operands
-(TF32 off). NMSE = Σ‖y − y_ref‖² / Σ‖y_ref‖², pooled over tokens, per layer and over all layers,
-for: plain W4A4, the checkpoint's own ratios (K-Ext), full compensation, and a sweep of partial
-ratios (selection from the calibration salience). Perplexity on the same text for bf16, plain
-W4A4, the checkpoint's ratios and full compensation uses `emulate.EmulatedLinear`.
+ratios, the stored K-Ext extension) are read back; real inputs are captured from the model,
+loaded in the source dtype recorded at pack time (any other dtype would move the reference), on
+held-out text (padding excluded); each input is quantized the way the server does it — the
+fused CUDA kernel on a GPU, the PyTorch reference on the CPU — with the checkpoint's static
+input scale, and the linear output is compared with the FP32 product of the original operands
+(TF32 off). NMSE = Σ‖y − y_ref‖² / Σ‖y_ref‖², pooled over tokens, per layer and over all
+layers, for: plain W4A4, the checkpoint's own ratios (K-Ext), full compensation, and a sweep of
+partial ratios (selection from the calibration salience). Perplexity on the same text for the
+source model (key ``bf16`` whatever its dtype), plain W4A4, the checkpoint's ratios and full
+compensation uses `emulate.EmulatedLinear`.
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ from typing import Callable
 import torch
 
 from . import kernel
-from .checkpoint import Checkpoint
-from .errors import UserError
+from .checkpoint import Checkpoint, PackedLinear, quant_tensor_names
+from .constants import SELECTION_GROUP
+from .errors import CheckpointMismatch, UserError
 from .formats import quantize
 from .kext import extend_weight
+from .nvfp4 import global_scale, group_global_scale
 from .qtensor import FP4Tensor
-from .selection import PARTIAL_RATIOS, mode_of, select_mask
+from .selection import PARTIAL_RATIOS, mask_to_bool, mode_of, select_mask
 
 SWEEP = PARTIAL_RATIOS
 DEFAULT_TEXT = "shakespeare:eval"
@@ -139,9 +147,9 @@ def group_nmse(
 ) -> dict[str, dict[str, _Acc]]:
     """Per member: {mode: _Acc} for ``plain``, ``checkpoint``, ``full`` and each sweep ratio.
 
-    x: captured inputs ``[T, K]`` (model dtype) on the compute device; weights: original bf16
-    weights per member (CPU); packed: `PackedLinear` per member (one fused group: shared α_x,
-    ratio and mask). Activations go through `kernel.quantize_extend` / `quantize_full`.
+    x: captured inputs ``[T, K]`` (model dtype) on the compute device; weights: original weights
+    per member, in the source dtype (CPU); packed: `PackedLinear` per member (one fused group:
+    shared α_x, ratio and mask). Activations go through `kernel.quantize_extend` / `quantize_full`.
     """
     dev = x.device
     first = packed[next(iter(packed))]
@@ -253,17 +261,140 @@ def emulated(model, ck: Checkpoint, mode: str, packed: dict | None = None, cache
 # ----------------------------------------------------------------------------- driver
 
 
-def _weights_match(ck: Checkpoint, weights: dict[str, torch.Tensor], packed: dict, progress=None) -> list[str]:
-    """Modules whose stored base quantization differs from re-quantizing the model's weight."""
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of `t`, so that equality is bit for bit (-0 ≠ +0, NaN = the same NaN)."""
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _same(stored: torch.Tensor | None, ref: torch.Tensor | None) -> bool:
+    if stored is None or ref is None:
+        return stored is None and ref is None
+    return stored.dtype == ref.dtype and stored.shape == ref.shape and torch.equal(_bits(stored), _bits(ref.to(stored.device)))
+
+
+def _valid_mask(mask: torch.Tensor, K: int, ratio: float) -> bool:
+    """Whether `mask` selects 8ρ channels in every group of 8 of K (else no extension can be
+    rebuilt from it)."""
+    if mask.dtype != torch.uint8 or tuple(mask.shape) != (K // SELECTION_GROUP,):
+        return False
+    per_group = mask_to_bool(mask).reshape(-1, SELECTION_GROUP).sum(-1)
+    return bool((per_group == round(ratio * SELECTION_GROUP)).all())
+
+
+def _first_difference(
+    pk: PackedLinear,
+    w: torch.Tensor,
+    alpha: torch.Tensor | None,
+    rounding: str,
+    mask: torch.Tensor | None,
+    input_scale: torch.Tensor | None,
+) -> str | None:
+    """The first stored tensor of one linear that differs from its reference, or None.
+
+    Weight-derived tensors come first, calibration-derived ones (mask, input scale; None: not
+    checked) last, so a reported calibration difference means the weights all matched. The
+    extension is rebuilt from the stored mask: whether that mask is the calibration's is a
+    separate question.
+    """
+    fmt = pk.fmt
+    names = quant_tensor_names(fmt)
+    if fmt == "nvfp4" and not _same(pk.base.global_scale, alpha):
+        return names[2]
+    q = quantize(w, fmt, alpha=alpha, rounding=rounding, backend="reference")
+    if not _same(pk.base.codes, q.codes):
+        return names[0]
+    if not _same(pk.base.scales, q.scales):
+        return names[1]
+    if (pk.mask is not None) != (pk.ratio > 0) or (pk.mask is not None and not _valid_mask(pk.mask, w.shape[-1], pk.ratio)):
+        return "resserve_mask"
+    ext = extend_weight(w, pk.mask, pk.ratio, fmt, rounding, alpha=alpha, backend="reference") if pk.mask is not None else None
+    if not _same(None if pk.ext is None else pk.ext.codes, None if ext is None else ext.codes):
+        return "resserve_weight"
+    if ext is not None and not _same(pk.ext.scales, ext.scales):
+        return "resserve_weight_scale"
+    if mask is not None and not _same(pk.mask, mask):
+        return "resserve_mask"
+    if input_scale is not None and not _same(pk.input_scale, input_scale):
+        return names[3]
+    return None
+
+
+def weight_mismatches(
+    ck: Checkpoint,
+    weights: dict[str, torch.Tensor],
+    stats: dict[str, dict] | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> list[tuple[str, str]]:
+    """``(module, first differing tensor)`` for each stored linear that differs from a fresh
+    quantization of `weights` (the model's, in its source dtype), in checkpoint order.
+
+    The reference owes nothing to the checkpoint, or a wrong model would pass: NVFP4's α is
+    recomputed per fused group from the model's weights (`nvfp4.group_global_scale`, the rule
+    `pack` applies) and compared with the stored ``weight_scale_2``; codes and block scales are
+    re-quantized with it, and the K-Ext extension rebuilt with `kext.extend_weight`. With
+    calibration statistics `stats` (``{module: {"mean_abs", "amax"}}``, as `calibrate` writes
+    them) the masks must also be ``select_mask(mean_abs, ratio)`` and NVFP4's ``input_scale`` the
+    group's max amax_x through `global_scale`. Every comparison is bit for bit.
+    """
+    fmt = ck.fmt
     bad = []
-    for m in ck.modules:
-        if progress:
-            progress("checking stored weights", 1, len(ck.modules))
-        pk = packed[m]
-        q = quantize(weights[m], ck.fmt, alpha=pk.base.global_scale, rounding=ck.rounding, backend="reference")
-        if not (torch.equal(q.codes, pk.base.codes) and torch.equal(q.scales.view(torch.uint8), pk.base.scales.view(torch.uint8))):
-            bad.append(m)
+    for g in ck.groups:
+        members, ratio = g["members"], float(g["ratio"])
+        alpha = group_global_scale(weights[m] for m in members) if fmt == "nvfp4" else None
+        mask = input_scale = None
+        if stats is not None:
+            lacking = [m for m in members if "mean_abs" not in stats.get(m, {}) or "amax" not in stats.get(m, {})]
+            if lacking:
+                raise UserError(f"the calibration has no statistics for {lacking[0]}: pass the --calib the checkpoint was packed with")
+            mask = select_mask(stats[members[0]]["mean_abs"], ratio) if ratio > 0 else None
+            if fmt == "nvfp4":
+                input_scale = global_scale(torch.stack([stats[m]["amax"].float().reshape(()) for m in members]).max())
+        for m in members:
+            first = _first_difference(ck.read(m), weights[m], alpha, ck.rounding, mask, input_scale)
+            if first is not None:
+                bad.append((m, first))
+            if progress:
+                progress("checking stored weights", 1, len(ck.modules))
     return bad
+
+
+def check_weights_match(
+    ck: Checkpoint,
+    weights: dict[str, torch.Tensor],
+    stats: dict[str, dict] | None = None,
+    *,
+    model: str = "the model",
+    progress: Callable[[str, int, int], None] | None = None,
+) -> None:
+    """Raise `CheckpointMismatch` (one line) unless `weight_mismatches` finds nothing.
+
+    The hint depends on what differs: when only calibration-derived tensors do (masks, input
+    scales), the model is right and the calibration is not.
+    """
+    bad = weight_mismatches(ck, weights, stats, progress)
+    if not bad:
+        return
+    m, name = bad[0]
+    head = f"{len(bad)} of {len(ck.modules)} stored linears differ from a fresh quantization of {model} (first: {m}: {name})"
+    calib_only = {"resserve_mask", "input_scale"}
+    if stats is not None and all(n in calib_only for _, n in bad):
+        raise CheckpointMismatch(f"{head} with the given --calib: the checkpoint was packed with another calibration; pass the --calib it was packed with")
+    raise CheckpointMismatch(f"{head}: the checkpoint was not packed from this model; pass the --model it was packed from")
+
+
+def linear_weights(model, ck: Checkpoint) -> dict[str, torch.Tensor]:
+    """The model's weight of every quantized linear of `ck` (CPU, model dtype), checked to exist
+    with the checkpoint's shapes."""
+    mods = dict(model.named_modules())
+    missing = [m for m in ck.modules if m not in mods]
+    if missing:
+        raise UserError(f"the model has no module {missing[0]} of the checkpoint: pass the --model the checkpoint was packed from")
+    weights = {m: mods[m].weight.detach().to("cpu") for m in ck.modules}
+    for g in ck.groups:
+        for m in g["members"]:
+            if tuple(weights[m].shape) != (mods[m].out_features, g["K"]):
+                raise UserError(f"{m} has shape {tuple(weights[m].shape)} in the model but K={g['K']} in the checkpoint: pass the model it was packed from")
+    return weights
 
 
 def _reduction(new: float, old: float) -> float:
@@ -282,36 +413,34 @@ def evaluate(
     check_weights: bool = True,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> dict:
-    """The measurements of `verify` for a loaded model and an opened checkpoint (no files)."""
+    """The measurements of `verify` for a loaded model and an opened checkpoint (no files).
+
+    `check_weights`: first `check_weights_match` (without calibration statistics), which raises
+    on a mismatch before anything is measured.
+    """
     t0 = time.perf_counter()
     fmt, rounding = ck.fmt, ck.rounding
     groups = [tuple(g["members"]) for g in ck.groups]
-    mods = dict(model.named_modules())
-    missing = [m for g in groups for m in g if m not in mods]
-    if missing:
-        raise UserError(f"the model has no module {missing[0]} of the checkpoint: pass the --model the checkpoint was packed from")
-    weights = {m: mods[m].weight.detach().to("cpu") for g in groups for m in g}
-    for g in ck.groups:
-        for m in g["members"]:
-            if tuple(weights[m].shape) != (mods[m].out_features, g["K"]):
-                raise UserError(f"{m} has shape {tuple(weights[m].shape)} in the model but K={g['K']} in the checkpoint: pass the model it was packed from")
+    weights = linear_weights(model, ck)
     if salience is not None:
         lacking = [g[0] for g in groups if g[0] not in salience]
         if lacking:
             raise UserError(f"the calibration salience has no entry for {lacking[0]}: pass the --calib the checkpoint was packed with")
+    if check_weights:
+        check_weights_match(ck, weights, progress=progress)
     packed_all = {m: ck.read(m) for m in ck.modules}
-    mismatched = _weights_match(ck, weights, packed_all, progress) if check_weights else None
 
-    # 1. bf16 pass: perplexity and captured inputs.
+    # 1. Source-model pass (its own dtype): perplexity and captured inputs.
+    dtype = next(iter(weights.values())).dtype
     cap = InputCapture(model, groups, max_tokens)
-    tick = (lambda: progress("bf16 forward + capture", 1, len(batches))) if progress else None
+    tick = (lambda: progress(f"{str(dtype).removeprefix('torch.')} forward + capture", 1, len(batches))) if progress else None
     try:
         ppl = {"bf16": _forward_nll(model, batches, device, on_batch=lambda b: cap.set_mask(b["attention_mask"]), tick=tick)}
     finally:
         cap.remove()
 
     # 2. NMSE per fused group.
-    backend = kernel.backend_for(torch.empty(0, dtype=torch.bfloat16, device=device))
+    backend = kernel.backend_for(torch.empty(0, dtype=dtype, device=device))
     layers, totals = [], {}
     for i, g in enumerate(groups):
         x = cap.inputs(g).to(device)
@@ -351,8 +480,8 @@ def evaluate(
         "device": str(device),
         "tokens_scored": int(sum(int(b["attention_mask"].sum()) for b in batches)),
         "nmse_tokens_per_layer": min(r["tokens"] for r in layers),
-        "weights_match_reference": None if mismatched is None else not mismatched,
-        "weights_mismatched": mismatched or [],
+        "model_dtype": str(dtype).removeprefix("torch."),
+        "weights_match_reference": True if check_weights else None,
         "nmse": {
             "pooled": pooled,
             "mean_per_layer": mean,
@@ -399,6 +528,25 @@ def write_chart(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _source_dtype(ck: Checkpoint, model_dir: Path) -> str:
+    """The dtype to load the model in: the one `pack` quantized from (recorded in the
+    provenance), else, for checkpoints that predate the record, that of the model's own
+    safetensors weights of the quantized linears. Any other dtype re-quantizes differently and
+    moves the NMSE reference."""
+    from . import modelio
+    from .pack import source_dtype
+
+    recorded = (ck.resserve.get("provenance") or {}).get("source_dtype")
+    if recorded is not None:
+        if recorded not in ("bfloat16", "float16", "float32"):
+            raise UserError(f"{ck.dir} records source dtype {recorded!r}, not bfloat16, float16 or float32: re-run pack")
+        return recorded
+    shapes = modelio.tensor_shapes(model_dir)
+    # A module the model lacks is reported by `linear_weights` once the model is loaded.
+    present = [m for m in ck.modules if f"{m}.weight" in shapes]
+    return source_dtype(shapes, present, model_dir) if present else "bfloat16"
+
+
 def verify(
     ckpt: str | Path,
     model: str,
@@ -416,10 +564,16 @@ def verify(
     overwrite: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> dict:
-    """Run the whole verification (module docstring); write verify.json and nmse.png to `out`."""
+    """Run the whole verification (module docstring); write verify.json and nmse.png to `out`.
+
+    The stored weights are checked right after the model is loaded, before the text, the
+    tokenizer or any forward pass: a mismatch (`CheckpointMismatch`) costs one quantization pass
+    and leaves nothing written.
+    """
     from . import data, modelio
-    from .calibrate import check_out_dir, collect, load_stats, write_dir_atomic
+    from .calibrate import collect, load_stats
     from .groups import Group
+    from .outputs import check_out_dir, write_dir_atomic
 
     if samples < 1:
         raise UserError(f"--samples must be at least 1, got {samples}")
@@ -429,32 +583,41 @@ def verify(
     model_dir = modelio.resolve_model(model)
     prov = ck.resserve.get("provenance") or {}
     fp = modelio.fingerprint(model_dir)
-    if prov.get("model_fingerprint") and prov["model_fingerprint"] != fp:
-        raise UserError(f"{ckpt} was packed from another model (fingerprint differs from {model}): pass the --model it was packed from")
+    if prov.get("fingerprint_method") == modelio.FINGERPRINT_METHOD and prov.get("model_fingerprint") != fp:
+        raise CheckpointMismatch(
+            f"{ckpt} was packed from other weights than {modelio.model_label(model)} (their fingerprints differ): "
+            "pass the --model it was packed from"
+        )
     d = modelio.parse_device(device)
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if d == "auto" else d)
-    net = modelio.load_model(model_dir).to(dev)
+    dtype = _source_dtype(ck, model_dir)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # verify shows its own progress; an error stays one line
+    net = modelio.load_model(model_dir, dtype).to(dev)
+    stats = load_stats(Path(calib)) if calib is not None else None
+    if check_weights:
+        check_weights_match(ck, linear_weights(net, ck), stats, model=modelio.model_label(model), progress=progress)
     tok = modelio.load_tokenizer(model_dir)
     spec = text or DEFAULT_TEXT
     docs = data.load_documents(spec)
     batches = data.batches(data.make_samples(tok, docs, samples, seq_len, seed), batch_size, data.pad_id(tok))
 
-    # Salience for the sweep's masks: the calibration directory, else a short calibration pass
-    # on the default calibration text (never the evaluation text).
-    if calib is not None:
-        salience = {m: v["mean_abs"] for m, v in load_stats(Path(calib)).items()}
+    # Salience for the sweep's masks: the calibration directory; without one, a short pass over
+    # 16 other samples (another seed) of --text when given, else of the default calibration text.
+    if stats is not None:
+        salience = {m: v["mean_abs"] for m, v in stats.items() if "mean_abs" in v}
         selection = f"calibration directory {calib}"
     else:
-        cal_docs = data.load_documents("shakespeare:calib")
+        source = text or "shakespeare:calib"
+        cal_docs = docs if text else data.load_documents(source)
         cal = data.batches(data.make_samples(tok, cal_docs, 16, seq_len, seed + 1), batch_size, data.pad_id(tok))
         groups = [Group(tuple(g["members"]), g["K"], ()) for g in ck.groups]
-        stats, _ = collect(net, cal, groups)
-        salience = {m: v["mean_abs"] for m, v in stats.items()}
-        selection = f"salience from 16 samples of the default calibration text (seq_len {seq_len})"
+        collected, _ = collect(net, cal, groups)
+        salience = {m: v["mean_abs"] for m, v in collected.items()}
+        selection = f"salience from 16 samples (seed {seed + 1}) of {source} (seq_len {seq_len})"
 
-    report = evaluate(
-        net, ck, batches, salience, device=dev, max_tokens=max_tokens, check_weights=check_weights, progress=progress
-    )
+    report = evaluate(net, ck, batches, salience, device=dev, max_tokens=max_tokens, check_weights=False, progress=progress)
     report = {
         "checkpoint": str(ckpt),
         "model": modelio.model_label(model),
@@ -465,6 +628,8 @@ def verify(
         "seed": seed,
         "sweep_selection": selection,
         **report,
+        # Checked above, with the calibration when given; a mismatch raised there.
+        "weights_match_reference": True if check_weights else None,
     }
     if out is not None:
 
@@ -476,4 +641,15 @@ def verify(
     return report
 
 
-__all__ = ["verify", "evaluate", "group_nmse", "emulated", "write_chart", "InputCapture", "SWEEP"]
+__all__ = [
+    "verify",
+    "evaluate",
+    "check_weights_match",
+    "weight_mismatches",
+    "linear_weights",
+    "group_nmse",
+    "emulated",
+    "write_chart",
+    "InputCapture",
+    "SWEEP",
+]

@@ -120,8 +120,8 @@ def test_cli_errors_are_one_line(tiny_ckpt, tmp_path, capsys):
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         main(["verify", str(ck), "--model", str(other), "--out", str(tmp_path / "v")])
-    assert e.value.code == 2
-    assert "packed from another model" in one_line_error(capsys)
+    assert e.value.code == 3  # the checkpoint does not match --model
+    assert "packed from other weights" in one_line_error(capsys)
     assert not (tmp_path / "v").exists()
     with pytest.raises(SystemExit) as e:
         main(["verify", str(ck), "--model", str(model_dir), "--samples", "0"])

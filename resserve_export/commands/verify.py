@@ -2,30 +2,10 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
 import typer
-
-
-@contextmanager
-def progress_bar(console):
-    """A rich progress display; yields ``tick(phase, advance, total)`` (one bar per phase)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
-        console=console, transient=False,
-    ) as prog:
-        tasks: dict[str, int] = {}
-
-        def tick(phase: str, advance: int, total: int) -> None:
-            if phase not in tasks:
-                tasks[phase] = prog.add_task(phase, total=total)
-            prog.advance(tasks[phase], advance)
-
-        yield tick
 
 
 def command(
@@ -34,22 +14,30 @@ def command(
     text: Optional[str] = typer.Option(None, "--text", help="held-out text: .txt/.jsonl/.parquet file, directory of .txt (default: the held-out plays)"),
     samples: int = typer.Option(4, "--samples", help="evaluation sequences"),
     seq_len: int = typer.Option(256, "--seq-len", help="tokens per sequence"),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="calibration directory for the ratio sweep's selection"),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="the calibration directory the checkpoint was packed with: the ratio sweep's channel selection, and the "
+        "masks and input scales are checked against it. Without it the sweep's selection comes from 16 other samples "
+        "of --text (or, without --text, of the default calibration text)"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
     max_tokens: int = typer.Option(4096, "--max-tokens", help="captured input rows per layer for NMSE"),
-    check_weights: bool = typer.Option(True, "--check-weights/--no-check-weights", help="re-quantize the model's weights and compare with the stored ones"),
+    check_weights: bool = typer.Option(
+        True, "--check-weights/--no-check-weights",
+        help="re-quantize the model's weights (and, with --calib, redo the masks and input scales) and stop with exit code 3 unless every stored tensor matches",
+    ),
     out: Path = typer.Option(Path("verify-out"), "--out", help="directory for verify.json and nmse.png"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out directory"),
 ) -> None:
-    """Measure the checkpoint: linear-output NMSE (plain, its ratios, full, a ratio sweep) and perplexity."""
-    from rich.console import Console
+    """Measure the checkpoint: linear-output NMSE (plain, its ratios, full, a ratio sweep) and perplexity.
+
+    First checks that every stored tensor equals a fresh quantization of --model (skip with
+    --no-check-weights). Exit codes: 0 checked and written; 2 usage or input error; 3 the
+    checkpoint does not match --model (or --calib), nothing written; 130 interrupted.
+    """
     from rich.table import Table
 
-    from ..ui import console
+    from ..ui import console, phases
     from ..verify import verify
 
-    err = Console(stderr=True)
-    with progress_bar(err) as tick:
+    with phases() as tick:
         rep = verify(
             ckpt, model, text=text, samples=samples, seq_len=seq_len, calib=calib, device=device,
             max_tokens=max_tokens, check_weights=check_weights, out=out, overwrite=overwrite, progress=tick,
@@ -69,7 +57,8 @@ def command(
         t.add_row(label, f"{p[key]:.4e}", f"{-red:+.1f}%", f"{n['mean_per_layer'][key]:.4e}")
     con.print(t)
     pt = Table(title=f"perplexity on {rep['text']} ({rep['tokens_scored']} tokens)")
-    for k in ("bf16", "plain", "checkpoint", "full"):
+    # The source model's perplexity is stored under "bf16" whatever its dtype: show the real one.
+    for k in (rep["model_dtype"], "plain", "checkpoint", "full"):
         pt.add_column(k, justify="right")
     pt.add_row(*(f"{rep['perplexity'][k]:.3f}" for k in ("bf16", "plain", "checkpoint", "full")))
     con.print(pt)
@@ -77,6 +66,6 @@ def command(
     con.print(
         f"activation quantization: {rep['activation_quantization']}; NMSE falls as the ratio rises: {ok}; "
         "stored weights equal the reference quantization: "
-        + {True: "yes", False: "NO", None: "not checked"}[rep["weights_match_reference"]]
+        + ("yes" if rep["weights_match_reference"] else "not checked")
     )
     con.print(f"wrote {out}/verify.json and {out}/nmse.png")
