@@ -42,7 +42,12 @@ def expert_modules(names: list[str]) -> list[str]:
 
 
 def group_linears(linears: dict[str, tuple[int, int]]) -> list[Group]:
-    """Group ``{module: (out_features, in_features)}`` into decision groups, in module order."""
+    """Group ``{module: (out_features, in_features)}`` into decision groups, in module order.
+
+    Fusable siblings (q/k/v, gate/up) form one group only when they read inputs of the same
+    width; otherwise each width gets its own group. Every quantized linear ends in exactly one
+    group: none is ever dropped.
+    """
     names = [n for n in linears if is_quantized(n)]
     taken: set[str] = set()
     groups: list[Group] = []
@@ -53,12 +58,10 @@ def group_linears(linears: dict[str, tuple[int, int]]) -> list[Group]:
         members = [n]
         for fused in _FUSED:
             if leaf in fused:
-                members = [f"{parent}.{x}" if parent else x for x in fused if (f"{parent}.{x}" if parent else x) in linears]
+                siblings = [f"{parent}.{x}" if parent else x for x in fused]
+                members = [m for m in siblings if m in linears and m not in taken and linears[m][1] == linears[n][1]]
                 break
         taken.update(members)
-        ins = {linears[m][1] for m in members}
-        if len(ins) != 1:
-            members = [n]
         groups.append(Group(tuple(members), linears[n][1], tuple(linears[m][0] for m in members)))
     return groups
 
