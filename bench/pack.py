@@ -7,6 +7,10 @@ calibration dir of random statistics following the contract, then runs in separa
   ours        `pack` NVFP4 at the given ratios (default 0 and 0.25)
   modelopt    ModelOpt 0.47 ``NVFP4QTensor.quantize`` per linear + safetensors save, shard by shard
   io          plain safetensors load + save of the same tensors (the I/O floor)
+  fingerprint `modelio.fingerprint` alone (sha256 of every tensor's bytes), cold cache
+
+Every run starts with an empty fingerprint cache (a fresh ``RESSERVE_CACHE``), so `ours`
+includes hashing the whole source once, as a pack on a machine that did not calibrate does.
 
 and prints a Markdown table: seconds, GB/s of bf16 source, peak RSS, ratio to the peers.
 
@@ -22,6 +26,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -110,7 +115,7 @@ def calibration(model_dir: Path, calib: Path) -> None:
             t[f"{m}.mean_abs"] = mean_abs.clone()
             t[f"{m}.amax"] = (mean_abs.max() * 10).reshape(())
     save_file(t, str(calib / "salience.safetensors"))
-    meta = {"model": "qwen3-4b-random", "fingerprint": fp, "dataset": "random", "num_samples": 0, "num_tokens": 0,
+    meta = {"model": "qwen3-4b-random", "fingerprint": fp, "fingerprint_method": modelio.FINGERPRINT_METHOD, "dataset": "random", "num_samples": 0, "num_tokens": 0,
             "seq_len": 0, "batch_size": 0, "seed": 1, "versions": {}, "wall_time_s": 0, "groups": [list(x.modules) for x in groups]}
     (calib / "calibration.json").write_text(json.dumps(meta))
 
@@ -192,12 +197,21 @@ def child(args) -> None:
 
     torch.set_num_threads(os.cpu_count() or 1)
     model_dir, calib = BENCH / f"qwen3-4b-L{args.layers}", BENCH / f"calib-L{args.layers}"
-    if args.child == "ours":
+    cold = tempfile.mkdtemp(prefix="resserve-bench-cache-")
+    os.environ["RESSERVE_CACHE"] = cold  # no fingerprint cached: every run hashes the source
+    if args.child == "fingerprint":
+        from resserve_export import modelio
+
+        t = time.perf_counter()
+        modelio.fingerprint(model_dir)
+        r = {"seconds": time.perf_counter() - t, "out_bytes": 0}
+    elif args.child == "ours":
         r = run_ours(model_dir, calib, BENCH / "out-ours", args.ratio, args.device)
     elif args.child == "modelopt":
         r = run_modelopt(model_dir, BENCH / "out-modelopt", "cuda" if args.device == "cuda" else "cpu")
     else:
         r = run_io(model_dir, BENCH / "out-io")
+    shutil.rmtree(cold, ignore_errors=True)
     r["peak_rss_gb"] = _peak_rss_gb()
     ru = resource.getrusage(resource.RUSAGE_SELF)
     r["cpu_s"] = ru.ru_utime + ru.ru_stime  # less sensitive than wall time to other load
@@ -209,8 +223,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--ratios", default="0,0.25")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--skip", default="", help="comma list of peers to skip: modelopt,io")
-    ap.add_argument("--child", choices=["ours", "modelopt", "io"], help=argparse.SUPPRESS)
+    ap.add_argument("--skip", default="", help="comma list of peers to skip: modelopt,io,fingerprint")
+    ap.add_argument("--child", choices=["ours", "modelopt", "io", "fingerprint"], help=argparse.SUPPRESS)
     ap.add_argument("--ratio", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -222,7 +236,7 @@ def main() -> None:
     calibration(model_dir, calib)
     src = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     print(f"source: {model_dir.name}, {src / 1e9:.2f} GB bf16 (ready in {time.perf_counter() - t:.0f} s)", flush=True)
-    runs = [("io", None), ("modelopt", None)] + [("ours", float(r)) for r in args.ratios.split(",")]
+    runs = [("io", None), ("modelopt", None), ("fingerprint", None)] + [("ours", float(r)) for r in args.ratios.split(",")]
     skip = set(filter(None, args.skip.split(",")))
     results = {}
     for kind, ratio in runs:
@@ -259,6 +273,10 @@ def main() -> None:
             f"| {label} | {sec:.1f} | {r['cpu_s']:.1f} | {src / 1e9 / sec:.3f} | {r['peak_rss_gb']:.2f} | {r['out_bytes'] / 1e9:.2f} "
             f"| {peer_m} | {peer_i} | {peer_c} |"
         )
+    fp = results.get("fingerprint", {}).get("seconds")
+    for label, r in results.items():
+        if fp and label.startswith("ours"):
+            print(f"\nfingerprint (cold) {fp:.1f} s = {100 * fp / r['seconds']:.0f}% of {label}'s wall time (which includes it)")
 
 if __name__ == "__main__":
     main()

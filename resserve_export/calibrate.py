@@ -16,11 +16,11 @@ Output (the calibration dir, written atomically by :func:`write_dir_atomic`):
 from __future__ import annotations
 
 import functools
+import importlib.resources
 import json
 import os
 import platform
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -29,8 +29,12 @@ from pathlib import Path
 from .constants import FORMATS, MXFP4_BLOCK, RATIOS
 from .errors import UserError
 from .groups import Group, expert_modules, group_linears, is_quantized
+from .outputs import check_out_dir, clean_stale, temp_sibling, write_dir_atomic
+from .ui import Progress
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "calib_configs"
+# The presets: the repository's calib_configs/, installed as the package data of
+# resserve_export.calib_configs (pyproject's package-dir), so bare names work from a wheel too.
+CONFIG_DIR = importlib.resources.files("resserve_export.calib_configs")
 SCORE_METHODS = ("none", "grad", "kl")
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 # Every quantized input dimension must hold whole MXFP4 blocks (32), which also covers NVFP4 (16).
@@ -80,10 +84,11 @@ class CalibConfig:
     seed: int = 42
     device: str = "auto"
     dtype: str = "bfloat16"
-    scores: str = "none"
+    scores: str = "grad"
     score_samples: int = 32
     score_precision: str = "auto"
     format: str = "nvfp4"
+    mx_scale: str = "ceil"
 
     def validate(self) -> CalibConfig:
         for name in ("num_samples", "seq_len", "batch_size", "score_samples"):
@@ -96,6 +101,11 @@ class CalibConfig:
             raise UserError(f"--scores must be one of {', '.join(SCORE_METHODS)}, got {self.scores!r}")
         if self.format not in FORMATS:
             raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        from .mxfp4 import ScaleRounding
+
+        roundings = [r.value for r in ScaleRounding]
+        if self.mx_scale not in roundings:
+            raise UserError(f"--mx-scale must be one of {', '.join(roundings)}, got {self.mx_scale!r}")
         from .scores import PRECISIONS as SCORE_PRECISIONS
 
         if self.score_precision not in SCORE_PRECISIONS:
@@ -106,11 +116,11 @@ class CalibConfig:
 
 
 def preset_names() -> list[str]:
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    return sorted(p.name[: -len(".yaml")] for p in CONFIG_DIR.iterdir() if p.name.endswith(".yaml") and p.is_file())
 
 
 def load_preset(name_or_path: str) -> dict:
-    """Settings from a preset: a YAML path, or a bare name of ``calib_configs/NAME.yaml``."""
+    """Settings from a preset: a YAML path, or a bare name of a packaged preset (``calib_configs/NAME.yaml``)."""
     import yaml
 
     path = Path(name_or_path).expanduser()
@@ -367,69 +377,6 @@ def collect(model, batches: list[dict], groups: list[Group], progress: Callable[
         return col.result(), col.num_tokens
 
 
-def write_dir_atomic(out: Path, write: Callable[[Path], None], overwrite: bool = False) -> Path:
-    """Build ``out`` in a temporary sibling, fsync, then rename; on any failure nothing is left behind.
-
-    ``write(tmp)`` fills the temporary directory. An existing ``out`` is replaced only with
-    ``overwrite`` and only once the new one is complete.
-    """
-    out = Path(out)
-    check_out_dir(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    old = None
-    try:
-        write(tmp)
-        umask = _umask()
-        for p in sorted(tmp.iterdir()):
-            os.chmod(p, 0o666 & ~umask)
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-        os.chmod(tmp, 0o777 & ~umask)
-        _fsync_dir(tmp)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / "d")
-        os.replace(tmp, out)
-        _fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and (old / "d").exists() and not out.exists():
-            os.replace(old / "d", out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return out
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def check_out_dir(out: Path, overwrite: bool) -> None:
-    """Refuse an output that exists as a file, or as a non-empty directory without ``overwrite``."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out} exists and is not a directory: pass another --out")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"output directory {out} exists and is not empty: pass --overwrite to replace it or choose another --out")
-
-
 def save_stats(stats: dict[str, dict], path: Path) -> None:
     from safetensors.torch import save_file
 
@@ -484,10 +431,13 @@ def calibrate(
     config.validate()
     out = Path(out)
     check_out_dir(out, overwrite)
+    clean_stale(out)
     modelio.parse_device(config.device)
     model_dir = modelio.resolve_model(model)
+    modelio.check_architecture(model_dir, "calibrate")
     shapes = modelio.tensor_shapes(model_dir)
     check_in_features(_quantized_linears(shapes))
+    fingerprint = modelio.fingerprint(model_dir)
     docs = data.load_documents(config.dataset)
     tokenizer = modelio.load_tokenizer(model_dir)
     samples = data.make_samples(tokenizer, docs, config.num_samples, config.seq_len, config.seed)
@@ -496,7 +446,8 @@ def calibrate(
     offload = None
     try:
         if config.device == "auto":
-            offload = Path(tempfile.mkdtemp(prefix=f".{out.name}.offload-", dir=_existing_parent(out)))
+            out.absolute().parent.mkdir(parents=True, exist_ok=True)
+            offload = temp_sibling(out, "offload")
         net = modelio.load_model_on(model_dir, config.device, config.dtype, offload_folder=offload)
         linears = {n: (m.out_features, m.in_features) for n, m in net.named_modules() if _is_linear(m)}
         check_in_features(linears)
@@ -508,11 +459,11 @@ def calibrate(
             raise UserError(f"{model_dir} has no linear layers to quantize")
 
         total = sum(int(b["input_ids"].shape[0]) for b in batches)
-        with _Progress(total, "calibrating", enabled=show_progress) as bar:
+        with Progress("calibrating", total, unit="samples", rate_unit="tok", enabled=show_progress) as bar:
             done = [0]
 
             def step(n_samples: int, n_tokens: int) -> None:
-                bar.advance(n_samples, n_tokens)
+                bar.advance(n_samples, rate=n_tokens)
                 done[0] += 1
                 if on_batch is not None:
                     on_batch(done[0])
@@ -525,8 +476,9 @@ def calibrate(
 
             scores = compute_scores(
                 net, batches, stats, groups, config.scores, list(RATIOS), config.format, config.score_samples,
-                show_progress=show_progress, precision=config.score_precision,
+                rounding=config.mx_scale, show_progress=show_progress, precision=config.score_precision,
             )
+            scores["fingerprint"] = fingerprint
     finally:
         if offload is not None:
             shutil.rmtree(offload, ignore_errors=True)
@@ -534,7 +486,8 @@ def calibrate(
     record = {
         "model": modelio.model_label(model),
         "model_dir": str(model_dir),
-        "fingerprint": modelio.fingerprint(model_dir),
+        "fingerprint": fingerprint,
+        "fingerprint_method": modelio.FINGERPRINT_METHOD,
         "dataset": config.dataset,
         "num_samples": len(samples),
         "num_tokens": num_tokens,
@@ -560,13 +513,6 @@ def calibrate(
     return write_dir_atomic(out, write, overwrite)
 
 
-def _existing_parent(out: Path) -> Path:
-    p = Path(out).resolve().parent
-    while not p.exists():
-        p = p.parent
-    return p
-
-
 def _is_linear(m) -> bool:
     import torch
 
@@ -577,43 +523,3 @@ def _quantized_linears(shapes) -> dict[str, tuple[int, int]]:
     from .groups import linears_from_shapes
 
     return {k: v for k, v in linears_from_shapes(shapes).items() if is_quantized(k)}
-
-
-class _Progress:
-    """A rich progress bar over samples with tokens/s and ETA, on stderr."""
-
-    def __init__(self, total: int, desc: str, enabled: bool = True):
-        self.total, self.desc, self.enabled = total, desc, enabled
-        self.tokens = 0
-        self.t0 = time.perf_counter()
-
-    def __enter__(self) -> _Progress:
-        if self.enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-            self.p = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("samples"),
-                TextColumn("{task.fields[tps]} tok/s"),
-                TimeElapsedColumn(),
-                TextColumn("ETA"),
-                TimeRemainingColumn(),
-                console=Console(stderr=True),
-            )
-            self.p.__enter__()
-            self.task = self.p.add_task(self.desc, total=self.total, tps="-")
-        return self
-
-    def advance(self, n: int, tokens: int) -> None:
-        self.tokens += tokens
-        if self.enabled:
-            rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
-            self.p.update(self.task, advance=n, tps=f"{rate:,.0f}")
-
-    def __exit__(self, *exc) -> None:
-        if self.enabled:
-            self.p.__exit__(*exc)
-

@@ -10,6 +10,24 @@ import typer
 from .commands import calibrate, inspect, pack, plan, size, verify
 from .errors import UserError
 
+def _no_placeholder_for_flags() -> None:
+    """Help shows no ``<bool>`` after on/off flags (``--overwrite``, ``--json``, ``--help``):
+    they take no value. Typer has no setting for this, so its option class is adjusted once."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+    if getattr(shown, "_resserve", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if getattr(self, "is_flag", False) else shown(self, ctx)
+
+    display_type_rich._resserve = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_no_placeholder_for_flags()
+
 app = typer.Typer(
     name="resserve-export",
     help="Turn a Hugging Face LLM into an FP4 checkpoint with residue compensation.",
@@ -26,19 +44,35 @@ app.command("inspect")(inspect.command)
 app.command("verify")(verify.command)
 
 
+INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+
+
+def _interrupted() -> None:
+    print("interrupted: no output was written", file=sys.stderr)
+    sys.exit(INTERRUPTED)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: user errors become one line on stderr and a non-zero exit, never a traceback."""
+    """Entry point: user errors become one line on stderr and a non-zero exit, never a traceback.
+
+    Exit codes: 0 success; 1 an aborted prompt; 2 a user error (bad input or usage); 3 `verify`
+    found a checkpoint that does not match the model; 130 interrupted (Ctrl-C).
+    """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        app(args=argv, standalone_mode=False)
+        rc = app(args=argv, standalone_mode=False)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        print("error: interrupted; no output was written", file=sys.stderr)
-        sys.exit(130)
+        _interrupted()
     except typer.Exit as e:
         sys.exit(e.exit_code)
+    except OSError as e:
+        # Disk full, permissions, a vanished file, ... after the up-front checks: say which path.
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}: check the path, its permissions and free space", file=sys.stderr)
+        sys.exit(1)
     except Exception as e:
         # Usage errors of Typer's click (vendored or not) know how to print themselves.
         if hasattr(e, "show") and hasattr(e, "exit_code"):
@@ -48,6 +82,13 @@ def main(argv: list[str] | None = None) -> None:
             print("error: aborted", file=sys.stderr)
             sys.exit(1)
         raise
+    # Without standalone mode Typer turns Ctrl-C into a returned 130 (and any typer.Exit raised
+    # by a command into its code): never let it end as a silent success.
+    if rc == INTERRUPTED:
+        _interrupted()
+    if isinstance(rc, int) and not isinstance(rc, bool) and rc != 0:
+        sys.exit(rc)
+
 
 if __name__ == "__main__":
     main()

@@ -136,10 +136,135 @@ def tensor_shapes(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return out
 
 
+FINGERPRINT_METHOD = "sha256-tensors-v2"
+_FINGERPRINT_CACHE = "fingerprints.json"
+ALLOW_OTHER_WEIGHTS = "--allow-other-weights"
+
+
+_HASH_CHUNK = 16 << 20
+
+
+def _file_digests(path: Path) -> dict[str, list]:
+    """{tensor: [dtype, shape, sha256 of its bytes]} of one safetensors file.
+
+    Tensors are hashed on a thread pool (hashlib releases the GIL) from positioned reads of
+    16 MiB: no memory map, so hashing a shard adds nothing to the process's resident memory.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    def corrupted(why: str) -> UserError:
+        return UserError(f"cannot read {path.name}: {why}; the shard looks corrupted, re-download or re-export it")
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise corrupted("the file is truncated")
+        n = int.from_bytes(head, "little")
+        try:
+            header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            spans = {k: (e["dtype"], e["shape"], *e["data_offsets"]) for k, e in header.items()}
+        except (ValueError, TypeError, KeyError, AttributeError):
+            raise corrupted("its header is not a safetensors header") from None
+        size = os.fstat(f.fileno()).st_size
+        if any(8 + n + b > size for *_, b in spans.values()):
+            raise corrupted("the file is truncated")
+        fd = f.fileno()
+
+        def digest(item):
+            name, (dtype, shape, a, b) = item
+            h = hashlib.sha256()
+            for pos in range(8 + n + a, 8 + n + b, _HASH_CHUNK):
+                h.update(os.pread(fd, min(_HASH_CHUNK, 8 + n + b - pos), pos))
+            return name, [dtype, shape, h.hexdigest()]
+
+        largest_first = sorted(spans.items(), key=lambda kv: kv[1][2] - kv[1][3])
+        with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
+            return dict(pool.map(digest, largest_first))
+
+
+def _stat_key(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}"
+
+
 def fingerprint(model_dir: Path) -> str:
-    """sha256 over sorted weight names and shapes: identifies an architecture + naming, not values."""
-    items = sorted((k, list(v[1])) for k, v in tensor_shapes(model_dir).items())
-    return hashlib.sha256(json.dumps(items).encode()).hexdigest()
+    """sha256 over every weight tensor's name, dtype, shape and the sha256 of all its bytes.
+
+    Any change to any tensor's contents changes it (a fine-tune of the same base, or another
+    model of the same architecture, is told apart). Each shard's per-tensor digests are cached
+    in the user cache under the file's identity (path, size, modification and change times,
+    inode), so calibrate, plan, pack and verify of the same files hash them once.
+    """
+    cache_path = cache_dir() / _FINGERPRINT_CACHE
+    try:
+        cache = json.loads(cache_path.read_text())
+        if not isinstance(cache, dict):
+            cache = {}
+    except (OSError, ValueError):
+        cache = {}
+    tensors: dict[str, list] = {}
+    dirty = False
+    for f in weight_files(Path(model_dir)):
+        try:
+            key = _stat_key(f)
+        except OSError as e:
+            raise UserError(f"cannot read {f}: {e.strerror}; the model directory is incomplete") from None
+        entry = cache.get(key)
+        if entry is None:
+            entry = cache[key] = _file_digests(f)
+            dirty = True
+        tensors.update(entry)
+    if dirty:
+        live = {k: v for k, v in cache.items() if Path(k.split("|", 1)[0]).exists()}
+        try:
+            cache_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_path.with_name(f".{cache_path.name}.tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(live))
+            os.replace(tmp, cache_path)
+        except OSError:
+            pass  # a cache that cannot be written only costs time
+    items = [[name, *tensors[name]] for name in sorted(tensors)]
+    return hashlib.sha256(json.dumps([FINGERPRINT_METHOD, items]).encode()).hexdigest()
+
+
+def check_fingerprint(record: dict, model_fingerprint: str, what: str) -> None:
+    """Refuse a calibration or plan `record` made from other weights than the model's."""
+    if record.get("fingerprint_method") != FINGERPRINT_METHOD:
+        raise UserError(
+            f"{what} was made by an older resserve-export that did not fingerprint weight contents: "
+            f"re-run it, or pass {ALLOW_OTHER_WEIGHTS} to use it anyway"
+        )
+    if record.get("fingerprint") != model_fingerprint:
+        raise UserError(
+            f"{what} was made from other weights than this model's (fingerprint {str(record.get('fingerprint'))[:12]}…, "
+            f"model {model_fingerprint[:12]}…): re-run it on this model, or pass {ALLOW_OTHER_WEIGHTS} to use it anyway"
+        )
+
+
+def check_architecture(model_dir: Path, command: str) -> str:
+    """The model's architecture class name, refused up front when transformers cannot build it."""
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}; the model directory is incomplete") from None
+    archs = cfg.get("architectures") or []
+    model_type = cfg.get("model_type")
+    arch = archs[0] if archs else None
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    known_type = model_type in CONFIG_MAPPING_NAMES
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if not known_type or (arch is not None and not (arch in causal and hasattr(transformers, arch))):
+        what = f"architecture {arch!r}" if arch else "no architecture"
+        raise UserError(
+            f"{path} names {what} (model_type {model_type!r}), which transformers {transformers.__version__} "
+            f"cannot build as a causal LM: {command} supports causal LMs transformers knows (e.g. Llama, Mistral, Qwen2, Qwen3)"
+        )
+    return arch or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "")
 
 
 def load_model(model_dir: Path, dtype: str = "bfloat16", device_map: str | dict | None = None):

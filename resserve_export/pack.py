@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
+from . import __version__, modelio
 from .checkpoint import (
     HF_QUANT_CONFIG,
     MODEL_INDEX,
@@ -51,13 +51,14 @@ from .errors import UserError
 from .groups import Group, expert_modules, group_linears, linears_from_shapes
 from .kext import ext_width
 from .mxfp4 import ScaleRounding
+from .outputs import check_out_dir, check_writable, clean_stale
+from .ui import Progress
 
 # Files of a source model that are weights or that we write ourselves: never copied.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt", ".onnx")
 _OWN_FILES = {"config.json", MODEL_INDEX, SIDECAR_INDEX, HF_QUANT_CONFIG, "pytorch_model.bin.index.json"}
 _FLOAT_DTYPES = {"BF16", "F16", "F32"}
 _GROUP_CACHE_BYTES = 1 << 30
-SLOW_ENV = "RESSERVE_TEST_SLOW_PACK"  # seconds to sleep per item (tests of interrupted packs)
 THREADS_ENV = "RESSERVE_PACK_THREADS"  # intra-op threads for CPU quantization (default 1)
 
 
@@ -180,8 +181,14 @@ def build_layout(
 # --------------------------------------------------------------------------------------------
 
 
-def load_calibration(calib: Path, model_fingerprint: str, groups: list[Group]) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """(calibration.json, {module: (mean_abs, amax)}) checked against the model."""
+def load_calibration(
+    calib: Path, model_fingerprint: str, groups: list[Group], allow_other_weights: bool = False
+) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """(calibration.json, {module: (mean_abs, amax)}) checked against the model.
+
+    The calibration must have been made from these exact weights (content fingerprint), unless
+    `allow_other_weights`; every amax must be finite and positive (it becomes a scale).
+    """
     calib = Path(calib)
     meta_path, sal_path = calib / "calibration.json", calib / "salience.safetensors"
     if not meta_path.exists() or not sal_path.exists():
@@ -190,11 +197,8 @@ def load_calibration(calib: Path, model_fingerprint: str, groups: list[Group]) -
         meta = json.loads(meta_path.read_text())
     except ValueError:
         raise UserError(f"{meta_path} is not valid JSON: re-run calibrate") from None
-    if meta.get("fingerprint") != model_fingerprint:
-        raise UserError(
-            f"calibration in {calib} was made for another model (fingerprint {str(meta.get('fingerprint'))[:12]}…, "
-            f"this model {model_fingerprint[:12]}…): calibrate this model"
-        )
+    if not allow_other_weights:
+        modelio.check_fingerprint(meta, model_fingerprint, f"calibration in {calib}")
     sal = SafetensorsFiles([sal_path])
     missing = [m for g in groups for m in g.modules if f"{m}.mean_abs" not in sal or f"{m}.amax" not in sal]
     if missing:
@@ -206,6 +210,11 @@ def load_calibration(calib: Path, model_fingerprint: str, groups: list[Group]) -
             mean_abs, amax = sal.get(f"{m}.mean_abs").float(), sal.get(f"{m}.amax").float().reshape(())
             if mean_abs.shape != (g.in_features,):
                 raise UserError(f"calibration {m}.mean_abs has shape {tuple(mean_abs.shape)}, expected ({g.in_features},): re-run calibrate")
+            if not bool(torch.isfinite(amax)) or float(amax) <= 0 or not bool(torch.isfinite(mean_abs).all()):
+                raise UserError(
+                    f"calibration in {calib} has amax {float(amax)} for {m}: an input scale must be finite and positive; "
+                    "re-run calibrate (with --dtype float32 if the model overflows)"
+                )
             stats[m] = (mean_abs, amax)
     return meta, stats
 
@@ -217,9 +226,19 @@ def check_ratio_arg(ratio: float) -> float:
 
 
 def load_ratios(
-    groups: list[Group], ratio: float | None, plan: Path | None, model_fingerprint: str | None
+    groups: list[Group],
+    ratio: float | None,
+    plan: Path | None,
+    model_fingerprint: str | None,
+    fmt: str | None = None,
+    rounding: str | None = None,
+    allow_other_weights: bool = False,
 ) -> tuple[dict[str, float], dict | None]:
-    """({group name: ρ}, plan provenance or None) from ``--ratio`` or ``--plan``."""
+    """({group name: ρ}, plan provenance or None) from ``--ratio`` or ``--plan``.
+
+    A plan must come from scores of this model's weights (unless `allow_other_weights`) and of
+    the format (and MXFP4 scale rounding) being packed.
+    """
     if (ratio is None) == (plan is None):
         raise UserError("pass exactly one of --ratio R or --plan plan.json")
     if plan is None:
@@ -227,7 +246,10 @@ def load_ratios(
         return {g.name: r for g in groups}, None
     from .plan import load_plan, module_ratios
 
-    data = load_plan(Path(plan), fingerprint=model_fingerprint, modules=[m for g in groups for m in g.modules])
+    fp = None if allow_other_weights else model_fingerprint
+    data = load_plan(Path(plan), fingerprint=fp, modules=[m for g in groups for m in g.modules])
+    if fmt is not None:
+        check_plan_format(data, Path(plan), fmt, rounding)
     per_module = module_ratios(data)
     out = {}
     for g in groups:
@@ -237,6 +259,23 @@ def load_ratios(
         out[g.name] = rs.pop()
     prov = {k: data.get(k) for k in ("budget", "achieved_bits", "satisfied", "method") if k in data}
     return out, prov
+
+
+def check_plan_format(plan: dict, path: Path, fmt: str, rounding: str | None) -> None:
+    """Refuse a plan whose scores were computed for another format or MXFP4 scale rounding."""
+    pf, pr = plan.get("format"), plan.get("mx_scale_rounding")
+    if pf is None:
+        raise UserError(f"plan {path} does not record the format its scores were computed for: re-run `resserve-export plan`")
+    if pf != fmt:
+        raise UserError(
+            f"plan {path} was made from {pf} scores but --format is {fmt}: pack with --format {pf}, "
+            f"or calibrate with --format {fmt} and plan again"
+        )
+    if fmt == "mxfp4" and pr != rounding:
+        raise UserError(
+            f"plan {path} was made from MXFP4 scores with scale rounding {pr} but --mx-scale is {rounding}: "
+            f"pack with --mx-scale {pr}, or calibrate with --mx-scale {rounding} and plan again"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -252,27 +291,6 @@ class PackResult:
     bytes_written: int
     seconds: float
     groups: int
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _clean_stale(out: Path) -> None:
-    """Remove partial directories left by packs that were killed."""
-    for p in out.parent.glob(f".{out.name}.partial-*"):
-        try:
-            pid = int(p.name.rsplit("-", 1)[1])
-        except ValueError:
-            continue
-        if not _pid_alive(pid):
-            shutil.rmtree(p, ignore_errors=True)
 
 
 def _copy_files(src: Path, dst: Path) -> list[str]:
@@ -305,6 +323,22 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def source_dtype(shapes: dict[str, tuple[str, tuple[int, ...]]], modules: list[str], model_dir: Path) -> str:
+    """The torch dtype name (``bfloat16``, ``float16``, ``float32``) of the quantized linears'
+    weights in the source headers `shapes` (name -> (safetensors dtype, shape)).
+
+    `pack` records it so that `verify` loads the model in the dtype the weights were quantized
+    from: in any other dtype the re-quantization differs and the NMSE reference is not the
+    source's. One dtype is required, since the model is loaded in one.
+    """
+    from .checkpoint import DTYPES
+
+    found = sorted({shapes[f"{m}.weight"][0] for m in modules})
+    if len(found) != 1:
+        raise UserError(f"the quantized linears of {model_dir} have mixed weight dtypes ({', '.join(found)}): convert the model to one dtype first")
+    return str(DTYPES[found[0]][0]).removeprefix("torch.")
+
+
 def pack(
     model: str | os.PathLike,
     calib: str | os.PathLike,
@@ -318,10 +352,9 @@ def pack(
     max_shard_size: str | int = "5GB",
     overwrite: bool = False,
     progress: bool = True,
+    allow_other_weights: bool = False,
 ) -> PackResult:
     """Write the checkpoint directory of SPEC §7 to `out` (see the module docstring)."""
-    from . import modelio
-
     t0 = time.perf_counter()
     if fmt not in FORMATS:
         raise UserError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
@@ -334,11 +367,9 @@ def pack(
     max_bytes = parse_size(max_shard_size)
     dev = pick_device(device)
     out = Path(out).expanduser().absolute()
-    if out.exists() and not overwrite:
-        raise UserError(f"{out} already exists: pass --overwrite to replace it or choose another --out")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out} exists and is not a directory: remove it or choose another --out")
+    check_out_dir(out, overwrite)
     model_dir = modelio.resolve_model(model)
+    modelio.check_architecture(model_dir, "pack")
     source = SafetensorsFiles(modelio.weight_files(model_dir))
     cfg = json.loads((model_dir / "config.json").read_text())
     if cfg.get("quantization_config"):
@@ -346,8 +377,10 @@ def pack(
     shapes = source.shapes()
     groups = model_groups(shapes)
     fingerprint = modelio.fingerprint(model_dir)
-    calib_meta, stats = load_calibration(Path(calib), fingerprint, groups)
-    ratios, plan_prov = load_ratios(groups, ratio, Path(plan) if plan is not None else None, fingerprint)
+    calib_meta, stats = load_calibration(Path(calib), fingerprint, groups, allow_other_weights)
+    ratios, plan_prov = load_ratios(
+        groups, ratio, Path(plan) if plan is not None else None, fingerprint, fmt, rounding.value, allow_other_weights
+    )
     # Drop lm_head only when the config says explicitly that it is tied: an extra copy costs
     # bytes, a missing one breaks the model.
     tied = cfg.get("tie_word_embeddings") is True
@@ -355,17 +388,17 @@ def pack(
     model_shards, side_shards = layout.shards(max_bytes)
 
     need = file_bytes(model_shards) + file_bytes(side_shards)
+    check_writable(out, need_bytes=need)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create {out.parent}: {e.strerror or e}; choose another --out") from None
-    free = shutil.disk_usage(out.parent).free
-    if free < need:
-        raise UserError(f"not enough disk space in {out.parent}: the checkpoint needs {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
 
     provenance = {
         "producer": {"name": "resserve-export", "version": __version__},
         "model_fingerprint": fingerprint,
+        "fingerprint_method": modelio.FINGERPRINT_METHOD,
+        "source_dtype": source_dtype(shapes, [m for g in groups for m in g.modules], model_dir),
         "calibration": {k: calib_meta.get(k) for k in ("model", "dataset", "num_samples", "num_tokens", "seq_len", "seed")},
         "ratio": ratio if plan is None else None,
         "plan": plan_prov,
@@ -375,7 +408,7 @@ def pack(
     new_cfg = dict(cfg)
     new_cfg["quantization_config"] = qc
 
-    _clean_stale(out)
+    clean_stale(out)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -432,29 +465,6 @@ def pack(
     return PackResult(out, len(model_shards), len(side_shards), written, time.perf_counter() - t0, len(groups))
 
 
-def _progress(enabled: bool):
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    return Progress(
-        TextColumn("[bold]pack[/] {task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        disable=not enabled,
-        transient=False,
-    )
-
-
 def _stream(layout, source, stats, ratios, fmt, rounding, dev, mw, sw, progress) -> None:
     """Produce every output tensor in layout order. The next group's weights are read by a
     background thread while the current group is quantized (reads and kernels release the GIL),
@@ -464,8 +474,6 @@ def _stream(layout, source, stats, ratios, fmt, rounding, dev, mw, sw, progress)
     from . import formats, nvfp4
     from .kext import extend_weight
     from .selection import select_mask
-
-    slow = float(os.environ.get(SLOW_ENV, "0") or 0)
 
     def group_bytes(g: Group) -> int:
         return sum(source.entries[f"{m}.weight"].nbytes for m in g.modules)
@@ -478,27 +486,24 @@ def _stream(layout, source, stats, ratios, fmt, rounding, dev, mw, sw, progress)
     total_bytes = sum(source.entries[n].nbytes if kind == "copy" else group_bytes(n) for kind, n in layout.items)
     group_at = [i for i, (kind, _) in enumerate(layout.items) if kind == "group"]
     next_group = {a: b for a, b in zip(group_at, group_at[1:])}
-    with _progress(progress) as bar, ThreadPoolExecutor(1, thread_name_prefix="pack-read") as pool:
-        task = bar.add_task("", total=total_bytes)
+    with Progress("pack", total_bytes, unit="bytes", enabled=progress) as bar, ThreadPoolExecutor(1, thread_name_prefix="pack-read") as pool:
         n = len(layout.items)
         pending = {group_at[0]: pool.submit(load, layout.items[group_at[0]][1])} if group_at else {}
         for i, (kind, item) in enumerate(layout.items):
             if kind == "copy":
-                bar.update(task, description=f"{i + 1}/{n} {item[-40:]}")
+                bar.describe(f"{i + 1}/{n} {item[-40:]}")
                 mw.write_raw(item, source.iter_bytes(item))
-                bar.advance(task, source.entries[item].nbytes)
+                bar.advance(source.entries[item].nbytes)
             else:
                 g: Group = item
-                bar.update(task, description=f"{i + 1}/{n} {g.modules[0][-40:]}")
+                bar.describe(f"{i + 1}/{n} {g.modules[0][-40:]}")
                 weights = pending.pop(i).result()
                 if i in next_group:
                     j = next_group[i]
                     pending[j] = pool.submit(load, layout.items[j][1])
                 _pack_group(g, weights, source, stats, ratios[g.name], fmt, rounding, dev, mw, sw, formats, nvfp4, extend_weight, select_mask)
                 del weights
-                bar.advance(task, group_bytes(g))
-            if slow:
-                time.sleep(slow)
+                bar.advance(group_bytes(g))
 
 
 def _pack_group(g, weights, source, stats, ratio, fmt, rounding, dev, mw, sw, formats, nvfp4, extend_weight, select_mask) -> None:
@@ -512,11 +517,14 @@ def _pack_group(g, weights, source, stats, ratio, fmt, rounding, dev, mw, sw, fo
     alpha = None
     if fmt == "nvfp4":
         # One weight_scale_2 for the fused group: the max over members of amax(W) / 2688.
-        amax_w = torch.zeros((), dtype=torch.float32)
+        alpha = nvfp4.group_global_scale(weight(m) for m in g.modules).to(dev)
+        if not bool(torch.isfinite(alpha)):
+            raise UserError(f"{' / '.join(g.modules)}: the weights hold NaN or Inf values (weight_scale_2 {float(alpha)}): fix the source checkpoint")
+    else:
         for m in g.modules:
-            lo, hi = torch.aminmax(weight(m))  # no |W| temporary
-            amax_w = torch.maximum(amax_w, torch.maximum(-lo.float(), hi.float()))
-        alpha = nvfp4.global_scale(amax_w).to(dev)
+            lo, hi = torch.aminmax(weight(m))
+            if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
+                raise UserError(f"{m}: the weight holds NaN or Inf values: fix the source checkpoint")
     input_scale = nvfp4.global_scale(amax_x).reshape(())
     for m in g.modules:
         w = weight(m).to(dev, non_blocking=True)

@@ -15,15 +15,15 @@ import json
 import math
 import os
 import re
-import tempfile
 from fractions import Fraction
 from pathlib import Path
 
-from planners import Infeasible, Problem, objective, total_cost
-from planners import solve as solve_problem
+from resserve_export.planners import Infeasible, Problem, objective, total_cost
+from resserve_export.planners import solve as solve_problem
 
 from .constants import RATIOS
 from .errors import UserError
+from .outputs import write_file_atomic
 
 SCORES_FILE = "scores.json"
 CALIBRATION_FILE = "calibration.json"
@@ -88,8 +88,11 @@ def _read_json(path: Path, what: str) -> dict:
     return data
 
 
-def read_scores(calib: Path) -> tuple[dict, dict]:
-    """(scores.json, calibration.json or {}) of a calibration directory, validated."""
+def read_scores(calib: Path, allow_other_weights: bool = False) -> tuple[dict, dict]:
+    """(scores.json, calibration.json or {}) of a calibration directory, validated.
+
+    Scores and salience must come from the same weights (both record the weights' fingerprint).
+    """
     calib = Path(calib)
     if not calib.is_dir():
         raise UserError(f"calibration directory {calib} does not exist: run `resserve-export calibrate` first")
@@ -123,6 +126,12 @@ def read_scores(calib: Path) -> tuple[dict, dict]:
                 raise UserError(f"{path}: group {g['modules'][0]} has an invalid score {k!r}: {v!r}; rerun calibration")
     cal_path = calib / CALIBRATION_FILE
     calibration = _read_json(cal_path, "calibration") if cal_path.exists() else {}
+    ours, theirs = scores.get("fingerprint"), calibration.get("fingerprint")
+    if ours and theirs and ours != theirs and not allow_other_weights:
+        raise UserError(
+            f"{path} was computed from other weights than {cal_path} describes (fingerprints differ): "
+            "re-run calibrate, or pass --allow-other-weights to plan anyway"
+        )
     return scores, calibration
 
 
@@ -202,24 +211,13 @@ def build_plan(
         "objective": objective(problem, choice),
         "ratios": ratios,
         "score_samples": scores.get("samples"),
+        "format": scores.get("format"),
+        "mx_scale_rounding": scores.get("rounding"),
         "model": calibration.get("model"),
         "fingerprint": calibration.get("fingerprint", scores.get("fingerprint")),
+        "fingerprint_method": calibration.get("fingerprint_method"),
         "groups": out_groups,
     }
-
-
-def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_plan(plan: dict, out: Path, *, with_chart: bool = True) -> Path | None:
@@ -228,8 +226,8 @@ def write_plan(plan: dict, out: Path, *, with_chart: bool = True) -> Path | None
     data = (json.dumps(plan, indent=2) + "\n").encode()
     chart_path = out.with_name(CHART_FILE) if out.name == PLAN_FILE else out.with_suffix(".png")
     if with_chart:
-        _atomic_write(chart_path, lambda f: chart(plan, f))
-    _atomic_write(out, lambda f: f.write(data))
+        write_file_atomic(chart_path, lambda f: chart(plan, f))
+    write_file_atomic(out, lambda f: f.write(data))
     return chart_path if with_chart else None
 
 
@@ -290,15 +288,18 @@ def chart(plan: dict, fileobj) -> None:
 def load_plan(path: Path, *, fingerprint: str | None = None, modules: list[str] | None = None) -> dict:
     """Read and validate a plan.json (for `pack`).
 
-    fingerprint: the model's `modelio.fingerprint`; a plan made for another model is an error.
+    fingerprint: the model's `modelio.fingerprint`; a plan made from other weights is an error
+    (None skips the check, as ``--allow-other-weights`` does).
     modules: the model's quantized linears; every one must get exactly one ratio from the plan.
     """
     path = Path(path)
     if not path.exists():
         raise UserError(f"plan {path} does not exist: run `resserve-export plan --calib DIR --budget B` first")
     plan = _read_json(path, "plan")
-    if fingerprint is not None and plan.get("fingerprint") not in (None, fingerprint):
-        raise UserError(f"{path} was made for another model (fingerprint differs): re-run calibrate and plan on this model")
+    if fingerprint is not None:
+        from .modelio import check_fingerprint
+
+        check_fingerprint(plan, fingerprint, f"plan {path}")
     groups = plan.get("groups")
     if not isinstance(groups, list) or not groups:
         raise UserError(f"{path} has no groups: regenerate it with `resserve-export plan`")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 import time
 import copy
 from contextlib import ExitStack, contextmanager
@@ -888,39 +889,44 @@ def compute_scores(
         if progress is not None:
             progress(done[0], total)
 
-    bar = None
+    shown = None
     if progress is None and show_progress:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from .ui import phases
 
-        bar = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-        )
-        wtask = bar.add_task(f"quantizing weights ({len(groups)} groups × {len(ratios)} ratios)", total=len(groups))
-        task = bar.add_task(f"scoring ({method}, {num_samples} samples, batch × group × ratio)", total=total)
-        progress = lambda d, t: bar.update(task, completed=d)  # noqa: E731
-        bar.start()
+        shown = phases()
+        tick = shown.__enter__()
+        reached: dict[str, int] = {}
+
+        def absolute(desc: str) -> Callable[[int, int], None]:
+            def update(d: int, t: int) -> None:
+                tick(desc, d - reached.get(desc, 0), t)
+                reached[desc] = d
+
+            return update
+
+        wprog = absolute(f"quantizing weights ({len(groups)} groups × {len(ratios)} ratios)")
+        progress = absolute(f"scoring ({method}, {num_samples} samples, batch × group × ratio)")
+    else:
+        wprog = None
     try:
         if candidates is None:
-            wprog = (lambda d, t: bar.update(wtask, completed=d)) if bar is not None else None
             budget = default_budget(_device_of(model)) if memory_budget is None else int(memory_budget)
             bpw = _bytes_per_weight(method, precision, _device_of(model), dtype)
             candidates = CandidatePool(model, groups, stats, ratios, fmt, rounding, budget, bpw)
             # The grad hooks visit the groups last layer first: keep those that fit from there.
             candidates.prebuild([g.modules for g in (reversed(groups) if method == "grad" else groups)], wprog)
-        elif bar is not None:
-            bar.update(wtask, completed=len(groups))
         if method == "kl":
             sums = _kl_scores(model, batches, groups, candidates, ratios, step)
         else:
             sums = _grad_scores(model, batches, groups, candidates, ratios, step, precision)
+    except BaseException:
+        if shown is not None:
+            shown.__exit__(*sys.exc_info())
+        raise
     finally:
         model.train(was_training)
-        if bar is not None:
-            bar.stop()
+    if shown is not None:
+        shown.__exit__(None, None, None)
     out_groups = []
     for g in groups:
         s = sums[g.modules]

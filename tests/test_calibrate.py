@@ -91,7 +91,7 @@ def texts(tmp_path_factory) -> Path:
 
 
 def run(model: Path, out: Path, dataset: Path, **kw) -> Path:
-    settings = dict(dataset=str(dataset), num_samples=10, seq_len=64, batch_size=4, seed=3, device="cpu", dtype="float32")
+    settings = dict(dataset=str(dataset), num_samples=10, seq_len=64, batch_size=4, seed=3, device="cpu", dtype="float32", scores="none")
     settings.update(kw)
     overwrite = settings.pop("overwrite", False)
     on_batch = settings.pop("on_batch", None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from fixtures.tiny import group_list, make_calibration, make_model
+from fixtures.tiny import group_list, make_calibration, make_model, plan_fields
 
 from resserve_export.cli import main
 from resserve_export.inspect_ckpt import inspect_checkpoint
@@ -19,7 +19,7 @@ def packed(tmp_path_factory):
     calib = make_calibration(model, root / "c")
     ratios = [0.0, 0.125, 0.25, 0.5, 1.0]
     groups = group_list(model)
-    plan = {"budget": 5.0, "method": "kl", "groups": [{"modules": list(g.modules), "ratio": ratios[i % 5]} for i, g in enumerate(groups)]}
+    plan = {"budget": 5.0, "method": "kl", **plan_fields(model, "mxfp4", "floor"), "groups": [{"modules": list(g.modules), "ratio": ratios[i % 5]} for i, g in enumerate(groups)]}
     (root / "plan.json").write_text(json.dumps(plan))
     out = pack(model, calib, root / "ck", "mxfp4", plan=root / "plan.json", mx_scale="floor", progress=False).out
     return out, plan

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures.tiny import make_calibration, make_model
-from safetensors.torch import save_file
+from fixtures.tiny import make_calibration, make_model, plan_fields
+from safetensors.torch import load_file, save_file
 
-from resserve_export import checkpoint
+from resserve_export import checkpoint, modelio
 from resserve_export.cli import main
 from resserve_export.errors import UserError
-from resserve_export.pack import SLOW_ENV, pack
+from resserve_export.pack import pack
+from resserve_export.ui import TEST_STEP_DELAY_ENV
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,10 @@ def test_calibration_from_another_model(tiny, tmp_path, capsys):
     model, _ = tiny
     calib = make_calibration(model, tmp_path / "c", fingerprint="0" * 64)
     out = tmp_path / "ck"
-    _assert_user_error(_argv(model, calib, out, "--ratio", "0.25"), capsys, out, "another model")
+    _assert_user_error(_argv(model, calib, out, "--ratio", "0.25"), capsys, out, "other weights", "--allow-other-weights")
+    # The explicit override packs it anyway.
+    pack(model, calib, out, "nvfp4", ratio=0.25, allow_other_weights=True, progress=False)
+    assert (out / "config.json").exists()
 
 
 def test_not_a_calibration_dir(tiny, tmp_path, capsys):
@@ -80,10 +84,11 @@ def test_plan_for_another_model(tiny, tmp_path, capsys):
     model, calib = tiny
     out = tmp_path / "ck"
     plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"budget": 5, "groups": [{"modules": ["model.layers.0.mlp.fc1"], "ratio": 0.25}]}))
+    same = plan_fields(model)
+    plan.write_text(json.dumps({"budget": 5, **same, "groups": [{"modules": ["model.layers.0.mlp.fc1"], "ratio": 0.25}]}))
     _assert_user_error(_argv(model, calib, out, "--plan", str(plan)), capsys, out, "another model")
-    plan.write_text(json.dumps({"budget": 5, "fingerprint": "f" * 64, "groups": []}))
-    _assert_user_error(_argv(model, calib, out, "--plan", str(plan)), capsys, out, "another model")
+    plan.write_text(json.dumps({"budget": 5, **same, "fingerprint": "f" * 64, "groups": []}))
+    _assert_user_error(_argv(model, calib, out, "--plan", str(plan)), capsys, out, "other weights", "--allow-other-weights")
 
 
 @pytest.mark.parametrize("ratio", ["0.3", "2", "-0.125"])
@@ -164,7 +169,7 @@ def test_out_of_disk_space(tiny, tmp_path, monkeypatch):
 def test_sigkill_leaves_nothing_complete_and_rerun_succeeds(tiny, tmp_path):
     model, calib = tiny
     out = tmp_path / "ck"
-    env = {**os.environ, SLOW_ENV: "0.3"}
+    env = {**os.environ, TEST_STEP_DELAY_ENV: "0.3"}
     cmd = [sys.executable, "-m", "resserve_export.cli", *_argv(model, calib, out, "--ratio", "0.25")]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -189,3 +194,27 @@ def test_sigkill_leaves_nothing_complete_and_rerun_succeeds(tiny, tmp_path):
     pack(model, calib, out, "nvfp4", ratio=0.25, progress=False)
     assert (out / "config.json").exists() and (out / "model.safetensors.index.json").exists()
     assert not list(tmp_path.glob(".ck.partial-*"))  # the dead run's leftovers are cleaned
+
+
+def test_non_finite_or_zero_input_amax_is_refused_with_the_layer(tiny, tmp_path, capsys):
+    model, _ = tiny
+    for bad in (float("nan"), float("inf"), 0.0):
+        calib = make_calibration(model, tmp_path / f"c{bad}")
+        t = load_file(str(calib / "salience.safetensors"))
+        t["model.layers.1.self_attn.o_proj.amax"] = torch.tensor(bad)
+        save_file(t, str(calib / "salience.safetensors"))
+        out = tmp_path / "ck"
+        _assert_user_error(_argv(model, calib, out, "--ratio", "0.25"), capsys, out, "model.layers.1.self_attn.o_proj", "re-run calibrate")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_non_finite_weights_are_refused_with_the_layer(tiny, tmp_path, capsys, fmt):
+    model, calib = tiny
+    bad = tmp_path / "model"
+    shutil.copytree(model, bad)
+    t = load_file(str(bad / "model.safetensors"))
+    t["model.layers.0.mlp.up_proj.weight"][3, 5] = float("inf")
+    save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "ck"
+    argv = [*_argv(bad, calib, out, "--ratio", "0.25"), "--format", fmt, "--allow-other-weights"]
+    _assert_user_error(argv, capsys, out, "up_proj", "NaN or Inf")

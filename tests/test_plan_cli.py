@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from resserve_export import modelio
+
 from resserve_export import plan as P
 from resserve_export.cli import main
 
@@ -44,7 +46,7 @@ def calib(tmp_path):
     d = tmp_path / "calib"
     d.mkdir()
     (d / "scores.json").write_text(json.dumps(make_scores()))
-    (d / "calibration.json").write_text(json.dumps({"model": "toy", "fingerprint": "f00"}))
+    (d / "calibration.json").write_text(json.dumps({"model": "toy", "fingerprint": "f00", "fingerprint_method": modelio.FINGERPRINT_METHOD}))
     return d
 
 
@@ -156,7 +158,7 @@ def test_no_scores_is_an_error(tmp_path, capsys):
 
 def test_load_plan_rejects_other_model(calib, capsys):
     run_ok(["plan", "--calib", str(calib), "--budget", "5"], capsys)
-    with pytest.raises(Exception, match="another model"):
+    with pytest.raises(Exception, match="other weights"):
         P.load_plan(calib / "plan.json", fingerprint="other")
     with pytest.raises(Exception, match="made for another model"):
         P.load_plan(calib / "plan.json", modules=["model.layers.0.self_attn.q_proj"])

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from fixtures.tiny import group_list, make_calibration, make_model
+from fixtures.tiny import group_list, make_calibration, make_model, plan_fields
 
 from resserve_export.checkpoint import Checkpoint
 from resserve_export.cli import main
@@ -124,7 +124,7 @@ def test_size_with_plan_equals_pack(tmp_path):
     model = make_model(tmp_path / "m")
     calib = make_calibration(model, tmp_path / "c")
     ratios = [0.0, 0.125, 0.25, 0.5, 1.0]
-    plan = {"budget": 5.0, "groups": [{"modules": list(g.modules), "ratio": ratios[i % 5]} for i, g in enumerate(group_list(model))]}
+    plan = {"budget": 5.0, **plan_fields(model), "groups": [{"modules": list(g.modules), "ratio": ratios[i % 5]} for i, g in enumerate(group_list(model))]}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     out = pack(model, calib, tmp_path / "ck", "nvfp4", plan=tmp_path / "plan.json", progress=False).out
     rep = estimate(json.loads((model / "config.json").read_text()), "nvfp4", plan=tmp_path / "plan.json")

@@ -8,6 +8,17 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..calibrate import CalibConfig
+
+
+_D = CalibConfig()  # the defaults without --config: the paper preset's values
+
+
+def _default(value, preset: bool = True) -> str:
+    """The help text's default note (the values come from the preset, so Typer cannot show them)."""
+    # Typer renders help as rich markup: "\\[" keeps the bracket literal.
+    return f" \\[default: {value} (paper preset)]" if preset else f" \\[default: {value}]"
+
 
 def command(
     model: Annotated[
@@ -15,32 +26,46 @@ def command(
         typer.Argument(help="Hugging Face directory, hub id in the local cache, GGUF file/dir, or 'default' (embedded SmolLM2-135M-Instruct)."),
     ],
     out: Annotated[Path, typer.Option("--out", "-o", help="Calibration directory to write (built in a temporary sibling, renamed at the end).")],
-    config: Annotated[Optional[str], typer.Option("--config", "-c", help="Preset: calib_configs/NAME.yaml or a bare NAME (paper, quick).")] = None,
+    config: Annotated[
+        Optional[str], typer.Option("--config", "-c", help="Preset: a bare NAME (paper, quick) or a YAML file. Flags override it." + _default("paper", preset=False))
+    ] = None,
     dataset: Annotated[
         Optional[str],
-        typer.Option(help="shakespeare[:calib|:eval], a .txt/.jsonl/.parquet file, a directory of .txt, or NAME[:CONFIG[:SPLIT]] of a cached datasets dataset."),
+        typer.Option(
+            help="shakespeare[:calib|:eval], a .txt/.jsonl/.parquet file, a directory of .txt, or NAME[:CONFIG[:SPLIT]] of a cached datasets dataset." + _default(_D.dataset),
+        ),
     ] = None,
-    num_samples: Annotated[Optional[int], typer.Option(help="Number of sequences (paper: 1024).")] = None,
-    seq_len: Annotated[Optional[int], typer.Option(help="Tokens per sequence, at most (paper: 2048).")] = None,
-    batch_size: Annotated[Optional[int], typer.Option(help="Sequences per forward pass (paper: 8).")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Sampling seed (paper: 42).")] = None,
-    device: Annotated[Optional[str], typer.Option(help="auto (accelerate device_map over GPUs/CPU/disk), cpu, cuda or cuda:N.")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="Model dtype: bfloat16, float16, float32 or float64.")] = None,
-    scores: Annotated[Optional[str], typer.Option(help="Planner scores: none, grad or kl.")] = None,
-    score_samples: Annotated[Optional[int], typer.Option(help="Sequences used for the scores.")] = None,
+    num_samples: Annotated[Optional[int], typer.Option(help="Number of sequences." + _default(_D.num_samples))] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="Tokens per sequence, at most." + _default(_D.seq_len))] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Sequences per forward pass." + _default(_D.batch_size))] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Sampling seed." + _default(_D.seed))] = None,
+    device: Annotated[
+        Optional[str], typer.Option(help="auto (accelerate device_map over GPUs/CPU/disk), cpu, cuda or cuda:N." + _default(_D.device, preset=False))
+    ] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="Model dtype: bfloat16, float16, float32 or float64." + _default(_D.dtype, preset=False))] = None,
+    scores: Annotated[
+        Optional[str], typer.Option(help="Planner scores for `plan`: grad, kl (slow) or none." + _default(_D.scores, preset=False))
+    ] = None,
+    score_samples: Annotated[Optional[int], typer.Option(help="Sequences used for the scores." + _default(_D.score_samples))] = None,
     score_precision: Annotated[
         Optional[str],
         typer.Option(
             help="Grad scores' candidate products: auto (bf16 GEMMs for bf16 models on GPUs and on CPUs with "
             "AVX512-BF16/AMX, and for fp16 models on GPUs with torch >= 2.8; FP32 elsewhere), fp32, or bf16 "
-            "(exact FP4 operands, FP32 accumulation; ~4 (GPU) to ~8 (CPU) more bytes per weight)."
+            "(exact FP4 operands, FP32 accumulation; ~4 (GPU) to ~8 (CPU) more bytes per weight)." + _default(_D.score_precision, preset=False),
         ),
     ] = None,
-    format: Annotated[Optional[str], typer.Option("--format", help="FP4 format the scores assume: nvfp4 or mxfp4.")] = None,
+    format: Annotated[
+        Optional[str], typer.Option("--format", help="FP4 format the scores assume (pack must use the same): nvfp4 or mxfp4." + _default(_D.format, preset=False))
+    ] = None,
+    mx_scale: Annotated[
+        Optional[str],
+        typer.Option("--mx-scale", help="MXFP4 scale rounding the scores assume: ceil, floor or even." + _default(_D.mx_scale, preset=False)),
+    ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty --out.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
 ) -> None:
-    """Collect per-channel mean |x| and amax of every quantized linear's input (SPEC §5, §9)."""
+    """Collect per-channel mean |x| and amax of every quantized linear's input, and the planner's sensitivity scores."""
     from .. import calibrate as cal
 
     cfg = cal.make_config(
@@ -56,6 +81,7 @@ def command(
         score_samples=score_samples,
         score_precision=score_precision,
         format=format,
+        mx_scale=mx_scale,
     )
     path = cal.calibrate(model, out, cfg, overwrite=overwrite, show_progress=not quiet)
     rec = json.loads((path / "calibration.json").read_text())

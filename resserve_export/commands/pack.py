@@ -21,6 +21,12 @@ def command(
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="largest safetensors shard, e.g. 5GB, 500MB"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out directory"),
+    allow_other_weights: bool = typer.Option(
+        False,
+        "--allow-other-weights",
+        help="use a calibration or plan made from other weights than MODEL's (e.g. a base model's for its fine-tune); "
+        "refused by default"
+    ),
 ) -> None:
     """Write an FP4 checkpoint (plain part for stock vLLM + resserve sidecar) from calibration and a ratio or plan."""
     from rich.console import Console
@@ -38,6 +44,7 @@ def command(
         device=device,
         max_shard_size=max_shard_size,
         overwrite=overwrite,
+        allow_other_weights=allow_other_weights,
     )
     Console(stderr=True).print(
         f"wrote {res.out} ({res.bytes_written / 2**30:.3f} GiB, {res.groups} groups, "

@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 
 from ..errors import UserError
+from ..outputs import check_writable
 
 
 def command(
@@ -25,28 +26,32 @@ def command(
     solver: str = typer.Option("cbc", "--solver", help="cbc (exact ILP, default), highs (exact ILP, needs highspy) or greedy (baseline)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Plan file to write (default: CALIB/plan.json); the chart plan.png goes next to it."),
     chart: bool = typer.Option(True, "--chart/--no-chart", help="Write the per-layer ratio chart."),
+    allow_other_weights: bool = typer.Option(
+        False, "--allow-other-weights", help="plan from scores computed on other weights than the calibration's; refused by default"
+    ),
 ) -> None:
     """Plan per-layer residue ratios for a budget from stored sensitivity scores."""
     from .. import plan as P
     from ..ui import console as make_console
-    from planners import SOLVERS
+    from resserve_export.planners import SOLVERS
 
     if solver not in SOLVERS:
         raise UserError(f"unknown solver {solver!r}, available: {', '.join(SOLVERS)}")
     if solver == "highs":
-        from planners.ilp import available
+        from resserve_export.planners.ilp import available
 
         if not available("highs"):
             raise UserError("the HiGHS solver needs the 'highspy' package: `pip install highspy`, or use --solver cbc")
     P.check_budget(budget)
-    scores, calibration = P.read_scores(calib)
+    scores, calibration = P.read_scores(calib, allow_other_weights)
     chosen = P.parse_ratios(ratios, P.scored_ratios(scores))
-    t0 = time.perf_counter()
-    plan = P.build_plan(scores, budget, ratios=chosen, solver=solver, calibration=calibration)
-    solve_s = time.perf_counter() - t0
     out = Path(out) if out is not None else Path(calib) / P.PLAN_FILE
     if out.exists() and out.is_dir():
         raise UserError(f"--out {out} is a directory: pass a file name such as {out / P.PLAN_FILE}")
+    check_writable(out)
+    t0 = time.perf_counter()
+    plan = P.build_plan(scores, budget, ratios=chosen, solver=solver, calibration=calibration)
+    solve_s = time.perf_counter() - t0
     chart_path = P.write_plan(plan, out, with_chart=chart)
     console = make_console(stderr=False, highlight=False)
     console.print(table(plan))
