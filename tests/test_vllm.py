@@ -13,7 +13,12 @@ calibration, not from the checkpoint (resserve_export.vllm_plugin.reference).
     reference's tokens, its prompt logprobs match the reference to FP32 tolerance, and its
     held-out perplexity is below plain W4A4 in the same engine; the same for an MXFP4
     (compressed-tensors) extended checkpoint; and the engine core in its own process (what
-    `vllm serve` runs, the plugin found through its entry point alone) generates the same tokens.
+    `vllm serve` runs, the plugin found through its entry point alone) generates the same tokens;
+(e) the OpenAI-compatible server (tests/vllm_scripts/openai_server.py: a subprocess on 127.0.0.1,
+    driven over HTTP with urllib) on the extended checkpoint, as is and with
+    ``--quantization modelopt_fp4``, names the method in its startup line, answers
+    /v1/completions and /v1/chat/completions with the in-process bf16 engine's greedy token ids
+    for that method, and stops on SIGINT with all of its processes.
 
 Up to the logits, the reference computes what the engine computes, bit for bit. FP4 activation
 quantization is discontinuous: a last-bit difference anywhere upstream of a quantizer can move one
@@ -43,7 +48,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,6 +60,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "vllm_scripts"))
 import common as C  # noqa: E402
+import openai_server as S  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm,
@@ -86,9 +96,12 @@ def env(tmp_path_factory):
     model = modelio.load_model(md)
     calib = C.calibrate(model, tok, md, work / "calib")
     del model
+    chat = tok.apply_chat_template(list(C.CHAT), add_generation_prompt=True, tokenize=True)
     return {
         "work": work, "md": md, "calib": calib, "runs": {}, "refs": {},
         "prompts": [tok(p)["input_ids"] for p in C.PROMPTS],
+        # What the server tests send: the first prompt to /v1/completions, C.CHAT to /v1/chat/completions.
+        "served": [tok(C.PROMPTS[0])["input_ids"], list(chat["input_ids"] if hasattr(chat, "keys") else chat)],
         "windows": C.token_windows(tok, C.texts_dir() / C.EVAL_FILE, 4, 128, start=1000),
     }
 
@@ -98,12 +111,24 @@ def ckpt(env, fmt: str, ratio: float) -> Path:
 
 
 def engine(env, name: str, path: Path, extra_env: dict, *, dtype="float32", stock_fp32=False, generate=True, score=False) -> dict:
+    """One in-process engine run, cached by name. ``generate``: True for env["prompts"], False for
+    none, or a list of token-id prompts."""
     if name not in env["runs"]:
+        prompts = env["prompts"] if generate is True else (generate or [])
         job = {"ckpt": str(path), "dtype": dtype, "stock_fp32": stock_fp32, "max_tokens": 32,
-               "generate": env["prompts"] if generate else [],
+               "generate": prompts,
                "score": (env["prompts"] + env["windows"]) if score else []}
         env["runs"][name] = C.run_engine(job, env["work"], name, extra_env)
     return env["runs"][name]
+
+
+def bf16_run(env, method: str) -> dict:
+    """The extended NVFP4 checkpoint (ρ = 0.25) in a bf16 in-process engine, ``method`` "stock"
+    (vLLM's ModelOpt method) or "resserve": prompt and held-out logprobs for the perplexity tests,
+    greedy continuations of the server tests' prompts (env["served"]) for the server tests."""
+    extra = {"stock": STOCK, "resserve": PLUGIN}[method]
+    return engine(env, f"nvfp4-r0.25-{method}-bf16", ckpt(env, "nvfp4", 0.25), extra, dtype="bfloat16",
+                  generate=env["served"], score=True)
 
 
 def reference(env, fmt: str, ratio: float, arithmetic: str):
@@ -192,9 +217,9 @@ def test_extended_checkpoint_is_plain_w4a4_in_stock_vllm(env):
     # Same engine, same kernels, same plain tensors: bit-identical, so exactly the same tokens and logprobs.
     assert run["generate"] == plain["generate"]
     assert run["score"] == plain["score"]
-    # Unmodified vLLM in bf16 serves it too (prompt logprobs only, to keep the run short), with
-    # the plain W4A4 perplexity.
-    bf16 = engine(env, "nvfp4-r0.25-stock-bf16", path, STOCK, dtype="bfloat16", generate=False, score=True)
+    # Unmodified vLLM in bf16 serves it too (prompt logprobs; greedy continuations only of the
+    # server tests' prompts, to keep the run short), with the plain W4A4 perplexity.
+    bf16 = bf16_run(env, "stock")
     assert bf16["quantization"] == "modelopt_fp4"
     n = len(env["prompts"])
     p32, p16 = perplexity(run["score"][n:]), perplexity(bf16["score"][n:])
@@ -215,12 +240,12 @@ def test_resserve_method_matches_fp32_reference(env):
 def test_resserve_perplexity_below_plain_w4a4(env):
     path = ckpt(env, "nvfp4", 0.25)
     figures = {}
-    for dtype, plain_name, comp_name, stock_fp32 in (
-        ("float32", "nvfp4-r0.25-stock", "nvfp4-r0.25-resserve", True),
-        ("bfloat16", "nvfp4-r0.25-stock-bf16", "nvfp4-r0.25-resserve-bf16", False),
-    ):
-        plain = engine(env, plain_name, path, STOCK, dtype=dtype, stock_fp32=stock_fp32, generate=dtype == "float32", score=True)
-        comp = engine(env, comp_name, path, PLUGIN, dtype=dtype, generate=dtype == "float32", score=True)
+    for dtype in ("float32", "bfloat16"):
+        if dtype == "float32":
+            plain = engine(env, "nvfp4-r0.25-stock", path, STOCK, stock_fp32=True, score=True)
+            comp = engine(env, "nvfp4-r0.25-resserve", path, PLUGIN, score=True)
+        else:
+            plain, comp = bf16_run(env, "stock"), bf16_run(env, "resserve")
         assert comp["quantization"] == "resserve"
         n = len(env["prompts"])
         figures[dtype] = (perplexity(plain["score"][n:]), perplexity(comp["score"][n:]))
@@ -252,3 +277,110 @@ def test_resserve_method_in_the_multiprocess_engine(env):
     multi = engine(env, "nvfp4-r0.25-resserve-mp", path, {**PLUGIN, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     assert multi["quantization"] == "resserve"
     assert multi["generate"] == single["generate"]
+
+
+# -- The OpenAI-compatible server (what users run), over HTTP --------------------------------------
+
+SERVER_START_TIMEOUT = 900  # s; about a minute on the idle 2-core machine
+# The in-process bf16 runs' settings (engine.py): a step holds one request and all its uncached
+# rows, so the server and the in-process engine compute the same products.
+SERVER_ARGS = [
+    "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "1", "--seed", "0",
+    "--no-enable-prefix-caching",
+]
+
+
+def server_env(extra: dict) -> dict:
+    e = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # the server's default: on
+    e.update({**_BASE, "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    # engine.py runs torch on RESSERVE_TEST_THREADS threads; the server's worker takes OMP_NUM_THREADS.
+    e["OMP_NUM_THREADS"] = os.environ.get("RESSERVE_TEST_THREADS", "2")
+    e.update(extra)
+    return e
+
+
+def serve(env, name: str, args: list[str], extra_env: dict) -> dict:
+    """Start the server on the extended NVFP4 checkpoint, send one /v1/completions and one
+    /v1/chat/completions request (greedy, 32 tokens, token ids returned), stop it with SIGINT to
+    its process group; what it answered, its log and what was left running."""
+    path = ckpt(env, "nvfp4", 0.25)
+    assert any(path.glob("resserve-*.safetensors"))
+    # Token ids twice over: in the answer (return_token_ids) and as the logprobs' tokens ("token_id:N").
+    greedy = {"temperature": 0, "max_tokens": 32, "ignore_eos": True, "return_token_ids": True,
+              "return_tokens_as_token_ids": True}
+    out = {}
+    with S.Server(path, SERVER_ARGS + args, server_env(extra_env), env["work"] / f"server-{name}.log") as srv:
+        t0 = time.monotonic()
+        srv.wait_ready(SERVER_START_TIMEOUT)
+        out["ready_s"] = time.monotonic() - t0
+        out["models"] = srv.get("/v1/models")
+        model = out["models"]["data"][0]["id"]
+        out["completion"] = srv.post("/v1/completions", {"model": model, "prompt": C.PROMPTS[0], "logprobs": 1, **greedy})
+        out["chat"] = srv.post(
+            "/v1/chat/completions",
+            {"model": model, "messages": list(C.CHAT), "logprobs": True, "top_logprobs": 1, **greedy},
+        )
+        out["exit"], out["left"] = srv.stop(signal.SIGINT)
+        out["port_open"] = srv.port_open()
+        out["log"] = srv.log.read_text(errors="replace")
+        out["tree"] = sorted(p.cmdline.split(" ")[0] for p in srv.seen.values())
+    print(f"server {name}: ready in {out['ready_s']:.0f} s, processes {out['tree']}, exit status {out['exit']}")
+    return out
+
+
+def served_tokens(out: dict, env) -> list[list[int]]:
+    """Greedy token ids of the two answers; checks that the server saw the prompts as the
+    in-process runs do and that the logprobs' tokens are the returned ids."""
+    comp, chat = out["completion"]["choices"][0], out["chat"]["choices"][0]
+    assert comp["prompt_token_ids"] == env["served"][0]
+    assert out["chat"]["prompt_token_ids"] == env["served"][1], "the server's chat template differs from the tokenizer's"
+    assert comp["text"] and chat["message"]["content"]
+    assert len(comp["token_ids"]) == len(chat["token_ids"]) == 32
+    assert comp["logprobs"]["tokens"] == [f"token_id:{t}" for t in comp["token_ids"]]
+    assert all(math.isfinite(x) for x in comp["logprobs"]["token_logprobs"])
+    assert [c["token"] for c in chat["logprobs"]["content"]] == [f"token_id:{t}" for t in chat["token_ids"]]
+    return [comp["token_ids"], chat["token_ids"]]
+
+
+def check_clean_shutdown(out: dict) -> None:
+    assert out["tree"], "no server process was recorded"
+    assert out["exit"] == 0, f"the server exited with {out['exit']} after SIGINT"
+    assert "[shutdown] API server: shutdown triggered" in out["log"]
+    assert not out["port_open"], "the port still accepts connections after the server exited"
+    assert not out["left"], "processes of the server still running after it exited: " + "; ".join(
+        f"{p.pid} {p.cmdline[:80]}" for p in out["left"]
+    )
+
+
+def engine_method(log: str) -> str:
+    """The method the engine core was built with, from its startup line."""
+    m = re.search(r"Initializing a V1 LLM engine \(v[^)]*\) with config: .*?\bquantization=([\w-]+)", log)
+    assert m, "no engine startup line in the server log"
+    return m.group(1)
+
+
+def test_openai_server_serves_resserve_method(env):
+    """`python -m vllm.entrypoints.openai.api_server` on the extended checkpoint, plugin installed,
+    no method named: the engine is built with the resserve method and the greedy tokens over HTTP
+    (completions and chat) are the in-process engine's; SIGINT stops it and all its processes."""
+    out = serve(env, "resserve", [], PLUGIN)
+    check_clean_shutdown(out)
+    assert engine_method(out["log"]) == "resserve"
+    tokens = served_tokens(out, env)
+    ref = bf16_run(env, "resserve")
+    assert ref["quantization"] == "resserve"
+    assert tokens == ref["generate"]
+    # Compensation changes the answers: plain W4A4 (same checkpoint, stock method) differs.
+    assert tokens != bf16_run(env, "stock")["generate"]
+
+
+def test_openai_server_serves_plain_w4a4_when_stock_method_named(env):
+    """The same server and checkpoint with `--quantization modelopt_fp4` (plugin installed, method
+    enabled): plain W4A4, the in-process stock engine's greedy tokens."""
+    out = serve(env, "modelopt_fp4", ["--quantization", "modelopt_fp4"], PLUGIN)
+    check_clean_shutdown(out)
+    assert engine_method(out["log"]) == "modelopt_fp4"
+    tokens = served_tokens(out, env)
+    ref = bf16_run(env, "stock")
+    assert ref["quantization"] == "modelopt_fp4"
+    assert tokens == ref["generate"]

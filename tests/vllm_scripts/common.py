@@ -21,6 +21,10 @@ PROMPTS = (
     "The old lighthouse keeper climbed the narrow stairs one last time, looked out over the dark and restless sea, and",
 )
 
+# The chat request of the server tests (tests/vllm_scripts/openai_server.py); the model's chat template
+# turns it into 36 tokens.
+CHAT = ({"role": "user", "content": "Name three plays by Shakespeare."},)
+
 
 def vllm_python() -> Path | None:
     env = os.environ.get("RESSERVE_VLLM_PYTHON")
@@ -81,7 +85,7 @@ def calibrate(model, tokenizer, mdir: Path, out: Path, num_samples: int = 8, seq
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "salience.safetensors"))
     meta = {
-        "model": str(mdir.name), "fingerprint": modelio.fingerprint(mdir), "dataset": "shakespeare:" + ",".join(CALIB_FILES),
+        "model": str(mdir.name), "fingerprint": modelio.fingerprint(mdir), "fingerprint_method": modelio.FINGERPRINT_METHOD, "dataset": "shakespeare:" + ",".join(CALIB_FILES),
         "num_samples": len(samples), "num_tokens": len(samples) * seq_len, "seq_len": seq_len, "batch_size": 1,
         "seed": 0, "versions": {"torch": torch.__version__}, "wall_time_s": 0.0,
         "groups": [list(g.modules) for g in groups],
