@@ -17,7 +17,6 @@ import argparse
 import datetime
 import os
 import statistics
-import subprocess
 import time
 import sys
 from pathlib import Path
@@ -26,8 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from resserve_export import kernel, kext  # noqa: E402
-from resserve_export.constants import BLOCK  # noqa: E402
+from resserve_export import kernel, kext, registry  # noqa: E402
 from resserve_export.nvfp4 import global_scale  # noqa: E402
 
 
@@ -89,7 +87,7 @@ def random_mask(K: int, k: int) -> torch.Tensor:
 
 
 def outputs(M, K, K_E, fmt, ksel):
-    b = BLOCK[fmt]
+    b = registry.get(fmt).block
     full = ksel == 8
     return [
         torch.full((M, (K + K_E) // 2), 0xFF, dtype=torch.uint8, device="cuda"),

@@ -36,17 +36,17 @@ from pathlib import Path
 
 import torch
 
-from .constants import BLOCK, SELECTION_GROUP
+from . import registry
+from .constants import SELECTION_GROUP
 from .errors import UserError
 from .qtensor import FP4Tensor
+from .registry import HF_QUANT_CONFIG, PRODUCER  # noqa: F401  (names of this module before the registry)
 
 FORMAT_VERSION = 1
 MODEL_PREFIX = "model"
 SIDECAR_PREFIX = "resserve"
 MODEL_INDEX = "model.safetensors.index.json"
 SIDECAR_INDEX = "resserve.safetensors.index.json"
-HF_QUANT_CONFIG = "hf_quant_config.json"
-PRODUCER = "resserve-export"
 # Written into every safetensors header (as transformers does).
 ST_METADATA = {"format": "pt"}
 
@@ -357,92 +357,25 @@ class SafetensorsFiles:
 
 
 # --------------------------------------------------------------------------------------------
-# quantization_config
+# quantization_config (the stock part and extra files come from the format: `registry.Format`)
 # --------------------------------------------------------------------------------------------
-
-
-def quant_tensor_names(fmt: str) -> tuple[str, ...]:
-    """Per-linear tensor suffixes of the plain part."""
-    if fmt == "nvfp4":
-        return ("weight", "weight_scale", "weight_scale_2", "input_scale")
-    return ("weight_packed", "weight_scale")
 
 
 def resserve_section(
     fmt: str, rounding: str, groups: list[dict], provenance: dict
 ) -> dict:
     """``quantization_config.resserve`` (SPEC §7). `groups`: dicts with members, ratio, mode, K, K_E."""
+    f = registry.get(fmt)
     return {
         "format_version": FORMAT_VERSION,
-        "element_format": fmt,
+        "element_format": f.name,
         "selection_group": SELECTION_GROUP,
-        "block_size": BLOCK[fmt],
-        "mx_scale_rounding": rounding if fmt == "mxfp4" else None,
+        "block_size": f.block,
+        "mx_scale_rounding": f.rounding_record(rounding),
         "sidecar_index": SIDECAR_INDEX,
         "groups": groups,
         "provenance": provenance,
     }
-
-
-def nvfp4_hf_quant_config(ignore: list[str], version: str) -> dict:
-    """``hf_quant_config.json`` of ModelOpt's unified HF export."""
-    return {
-        "producer": {"name": PRODUCER, "version": version},
-        "quantization": {
-            "quant_algo": "NVFP4",
-            "kv_cache_quant_algo": None,
-            "group_size": BLOCK["nvfp4"],
-            "exclude_modules": list(ignore),
-        },
-    }
-
-
-def quantization_config(fmt: str, ignore: list[str], resserve: dict, version: str) -> dict:
-    """config.json ``quantization_config`` for stock vLLM plus our ``resserve`` section.
-
-    NVFP4: what ModelOpt 0.47's export writes (``quant_method: modelopt``, ``quant_algo: NVFP4``,
-    its compressed-tensors-style ``config_groups``), plus ``group_size``. MXFP4: a
-    compressed-tensors config with format ``mxfp4-pack-quantized``: 4-bit float weights, strategy
-    group, group size 32, symmetric; activations the same, dynamic.
-    """
-    if fmt == "nvfp4":
-        g = BLOCK["nvfp4"]
-        qc = {
-            "quant_method": "modelopt",
-            "quant_algo": "NVFP4",
-            "group_size": g,
-            "kv_cache_scheme": None,
-            "ignore": list(ignore),
-            "producer": {"name": PRODUCER, "version": version},
-            "config_groups": {
-                "group_0": {
-                    "input_activations": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": g},
-                    "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": g},
-                    "targets": ["Linear"],
-                }
-            },
-        }
-    else:
-        g = BLOCK["mxfp4"]
-        args = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": g, "symmetric": True}
-        qc = {
-            "quant_method": "compressed-tensors",
-            "format": "mxfp4-pack-quantized",
-            "quantization_status": "compressed",
-            "kv_cache_scheme": None,
-            "ignore": list(ignore),
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": {**args, "dynamic": False},
-                    "input_activations": {**args, "dynamic": True},
-                    "output_activations": None,
-                    "format": "mxfp4-pack-quantized",
-                }
-            },
-        }
-    qc["resserve"] = resserve
-    return qc
 
 
 # --------------------------------------------------------------------------------------------
@@ -495,6 +428,12 @@ class Checkpoint:
                 f"this tool reads {FORMAT_VERSION}: re-pack it with this version"
             )
         self.fmt: str = self.resserve["element_format"]
+        try:
+            self.format = registry.get(self.fmt)
+        except ValueError:
+            raise UserError(
+                f"{self.dir} has element format {self.fmt!r}; this tool reads {', '.join(registry.FORMATS)}: re-pack it with this version"
+            ) from None
         self.rounding: str = self.resserve.get("mx_scale_rounding") or "ceil"
         self.groups: list[dict] = self.resserve["groups"]
         self._group_of = {m: g for g in self.groups for m in g["members"]}
@@ -521,14 +460,8 @@ class Checkpoint:
         if g is None:
             raise KeyError(f"{module} is not a quantized linear of this checkpoint")
         fmt = self.fmt
-        if fmt == "nvfp4":
-            alpha = self.model.get(f"{module}.weight_scale_2").float().reshape(())
-            base = FP4Tensor(fmt, self.model.get(f"{module}.weight"), self.model.get(f"{module}.weight_scale"), alpha)
-            input_scale = self.model.get(f"{module}.input_scale").float().reshape(())
-        else:
-            alpha = None
-            base = FP4Tensor(fmt, self.model.get(f"{module}.weight_packed"), self.model.get(f"{module}.weight_scale"))
-            input_scale = None
+        base, input_scale = self.format.read_base(self.model.get, module)
+        alpha = base.global_scale
         mask = self.sidecar.get(f"{module}.resserve_mask") if f"{module}.resserve_mask" in self.sidecar else None
         ext = None
         if f"{module}.resserve_weight" in self.sidecar:
@@ -564,7 +497,5 @@ __all__ = [
     "index_json",
     "shard_name",
     "parse_size",
-    "quantization_config",
-    "nvfp4_hf_quant_config",
     "resserve_section",
 ]

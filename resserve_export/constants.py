@@ -27,7 +27,22 @@ SELECTION_GROUP = 8
 PARTIAL_RATIOS = (0.125, 0.25, 0.5)
 RATIOS = (0.0, 0.125, 0.25, 0.5, 1.0)
 
-# Extended width is padded so that its block-scale column count is a multiple of 4 (SPEC §6).
-EXT_PAD = {"nvfp4": 64, "mxfp4": 128}
-BLOCK = {"nvfp4": NVFP4_BLOCK, "mxfp4": MXFP4_BLOCK}
-FORMATS = ("nvfp4", "mxfp4")
+# Per-format values (block size, the K-Ext padding of SPEC §6, ...) live on the format objects of
+# `registry`, the one place a format's name is branched on.
+
+
+def __getattr__(name: str):
+    """Values derived from `registry` on first use (it imports this module, so not at import time).
+
+    ``FORMATS``: the format names, for CLI help and messages. ``BLOCK``: ``{name: block size}``,
+    kept only while ``scores`` still imports it (ask ``registry.get(fmt).block`` instead).
+    """
+    if name == "FORMATS":
+        from .registry import FORMATS
+
+        return tuple(FORMATS)
+    if name == "BLOCK":
+        from .registry import FORMATS
+
+        return {n: f.block for n, f in FORMATS.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

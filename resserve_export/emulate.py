@@ -13,13 +13,15 @@ Scores, `verify` and the vLLM plugin's reference all use this module (no second 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
+from . import registry
 from .formats import dequantize, quantize
 from .kext import _compact, ext_width, extend_weight, residue
 from .mxfp4 import ScaleRounding
-from .nvfp4 import global_scale
 from .qtensor import FP4Tensor
 from .selection import check_ratio, mode_of
 
@@ -37,19 +39,41 @@ class QuantizedWeight:
         weight_alpha: torch.Tensor | None = None,
         rounding: ScaleRounding | str = ScaleRounding.CEIL,
     ):
-        self.fmt, self.ratio, self.rounding = fmt, check_ratio(ratio), ScaleRounding(rounding)
+        f = registry.get(fmt)
+        self.fmt, self.ratio, self.rounding = f.name, check_ratio(ratio), ScaleRounding(rounding)
         self.mask = mask
-        if fmt == "nvfp4" and weight_alpha is None:
-            weight_alpha = global_scale(weight.abs().amax())
-        self.base = quantize(weight, fmt, alpha=weight_alpha, rounding=rounding)
+        if weight_alpha is None:
+            weight_alpha = f.tensor_alpha(weight)  # None without a tensor scale
+        self.base = quantize(weight, f, alpha=weight_alpha, rounding=rounding)
         self.w = dequantize(self.base)
         self.ext = None
         self.w_ext = None
-        if ext_width(weight.shape[-1], self.ratio, fmt):
+        if ext_width(weight.shape[-1], self.ratio, f):
             if mask is None:
                 raise ValueError("a partial ratio needs a mask")
-            self.ext = extend_weight(weight, mask, self.ratio, fmt, rounding, alpha=self.base.global_scale)
+            self.ext = extend_weight(weight, mask, self.ratio, f, rounding, alpha=self.base.global_scale)
             self.w_ext = dequantize(self.ext)
+
+    @classmethod
+    def from_stored(
+        cls,
+        fmt: str,
+        ratio: float,
+        rounding: ScaleRounding | str,
+        mask: torch.Tensor | None,
+        base: FP4Tensor,
+        w: torch.Tensor,
+        ext: FP4Tensor | None = None,
+        w_ext: torch.Tensor | None = None,
+    ) -> "QuantizedWeight":
+        """A weight already quantized (a checkpoint's stored tensors): `base` and, for a partial
+        ratio, the extension `ext`, with their dequantized FP32 values `w` and `w_ext` (which the
+        caller may share between weights); nothing is recomputed."""
+        qw = cls.__new__(cls)
+        qw.fmt, qw.ratio, qw.rounding = registry.get(fmt).name, check_ratio(ratio), ScaleRounding(rounding)
+        qw.mask = mask
+        qw.base, qw.w, qw.ext, qw.w_ext = base, w, ext, w_ext
+        return qw
 
 
 def quantized_residue_operand(
@@ -136,17 +160,38 @@ class EmulatedLinear(nn.Module):
         decode_rows: int | None = None,
     ):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.qw = QuantizedWeight(
-            linear.weight.detach(), fmt, ratio=ratio, mask=mask, weight_alpha=weight_alpha, rounding=rounding
-        )
-        self.bias = None if linear.bias is None else linear.bias.detach().float()
-        if fmt == "nvfp4" and input_alpha is None:
+        f = registry.get(fmt)
+        qw = QuantizedWeight(linear.weight.detach(), f, ratio=ratio, mask=mask, weight_alpha=weight_alpha, rounding=rounding)
+        if f.has_tensor_scale and input_alpha is None:
             if input_amax is None:
-                raise ValueError("NVFP4 activations need a calibrated amax")
-            input_alpha = global_scale(torch.as_tensor(input_amax))
+                raise ValueError(f"{f.name.upper()} activations need a calibrated amax")
+            input_alpha = f.input_alpha(input_amax)
+        self._bind(linear, qw, input_alpha, mode or mode_of(ratio), decode_rows)
+
+    @classmethod
+    def from_weight(
+        cls,
+        linear: nn.Linear,
+        qw: QuantizedWeight,
+        *,
+        input_alpha: torch.Tensor | None,
+        mode: str | None = None,
+        decode_rows: int | None = None,
+    ) -> "EmulatedLinear":
+        """An emulated `linear` (its shape and bias) whose weight is `qw` as given (e.g.
+        `QuantizedWeight.from_stored`), with the activation α `input_alpha` (None without a tensor
+        scale); `mode` defaults to that of the weight's ratio."""
+        em = cls.__new__(cls)
+        nn.Module.__init__(em)
+        em._bind(linear, qw, input_alpha, mode or mode_of(qw.ratio), decode_rows)
+        return em
+
+    def _bind(self, linear: nn.Linear, qw: QuantizedWeight, input_alpha, mode: str, decode_rows: int | None) -> None:
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.qw = qw
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
         self.input_alpha = input_alpha
-        self.mode = mode or mode_of(ratio)
+        self.mode = mode
         self.decode_rows = decode_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,3 +204,26 @@ class EmulatedLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+
+def replace_linear(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
+    """Put `new` at module path `name` of `model`; returns the module it replaced."""
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, leaf)
+    setattr(parent, leaf, new)
+    return old
+
+
+@contextmanager
+def swapped(model: nn.Module, replacements: dict[str, nn.Module]):
+    """Swap modules of `model` (``{module path: replacement}``, e.g. emulated linears) for the
+    duration of the block; the originals are back on exit, whatever happens inside."""
+    originals: dict[str, nn.Module] = {}
+    try:
+        for name, new in replacements.items():
+            originals[name] = replace_linear(model, name, new)
+        yield model
+    finally:
+        for name, old in originals.items():
+            replace_linear(model, name, old)

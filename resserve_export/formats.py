@@ -13,11 +13,11 @@ import os
 
 import torch
 
-from . import mxfp4, nvfp4
+from . import registry
 from .compiling import compile_or_eager
-from .constants import BLOCK, FORMATS
 from .mxfp4 import ScaleRounding
 from .qtensor import FP4Tensor
+from .registry import Format
 
 # Blocks per compiled chunk: large enough to amortise dispatch, small enough to stay in cache.
 _CHUNK_BLOCKS = 1 << 14
@@ -26,21 +26,14 @@ _FAST_MIN_NUMEL = 1 << 18
 BACKENDS = ("auto", "reference", "compiled")
 
 
-def check_format(fmt: str) -> str:
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown format {fmt!r}, available formats: {list(FORMATS)}")
-    return fmt
-
-
-def _blocks_fn(fmt: str, rounding: ScaleRounding):
-    if fmt == "nvfp4":
-        return nvfp4.quantize_blocks
-    return functools.partial(mxfp4.quantize_blocks, rounding=rounding)
+def check_format(fmt: str | Format) -> str:
+    """The name of format `fmt`; ValueError lists the choices."""
+    return registry.get(fmt).name
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(fmt: str, rounding: ScaleRounding):
-    return compile_or_eager(_blocks_fn(fmt, rounding), dynamic=False, fullgraph=True)
+def _compiled(f: Format, rounding: ScaleRounding):
+    return compile_or_eager(f.blocks_fn(rounding), dynamic=False, fullgraph=True)
 
 
 def abs_max(x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +80,7 @@ def _run_chunked(fn, blocks: torch.Tensor, args: tuple) -> tuple[torch.Tensor, t
 
 def quantize(
     x: torch.Tensor,
-    fmt: str,
+    fmt: str | Format,
     *,
     alpha: torch.Tensor | None = None,
     rounding: ScaleRounding | str = ScaleRounding.CEIL,
@@ -98,16 +91,16 @@ def quantize(
     NVFP4: `alpha` is the FP32 tensor scale; None derives it from ``amax(x)`` (weights). MXFP4 has no
     tensor scale and uses `rounding` for its block exponents.
     """
-    check_format(fmt)
+    f = registry.get(fmt)
     rounding = ScaleRounding(rounding)
-    b = BLOCK[fmt]
+    b = f.block
     K = x.shape[-1]
     if K % b:
-        raise ValueError(f"last dim {K} is not a multiple of the {fmt} block size {b}")
+        raise ValueError(f"last dim {K} is not a multiple of the {f.name} block size {b}")
     lead = x.shape[:-1]
-    if fmt == "nvfp4":
+    if f.has_tensor_scale:
         if alpha is None:
-            alpha = nvfp4.global_scale(abs_max(x))
+            alpha = f.tensor_alpha(x)
         alpha = torch.as_tensor(alpha, dtype=torch.float32, device=x.device).reshape(())
         args: tuple = (alpha,)
     else:
@@ -115,24 +108,21 @@ def quantize(
         args = ()
     blocks = x.reshape(-1, b)
     if _pick_backend(x, backend) == "compiled" and blocks.shape[0] > 0:
-        codes, scales = _run_chunked(_compiled(fmt, rounding), blocks.contiguous(), args)
+        codes, scales = _run_chunked(_compiled(f, rounding), blocks.contiguous(), args)
     else:
-        codes, scales = _blocks_fn(fmt, rounding)(blocks, *args)
-    return FP4Tensor(fmt, codes.reshape(*lead, K // 2), scales.reshape(*lead, K // b), alpha)
+        codes, scales = f.blocks_fn(rounding)(blocks, *args)
+    return FP4Tensor(f.name, codes.reshape(*lead, K // 2), scales.reshape(*lead, K // b), alpha)
 
 
 def dequantize(q: FP4Tensor) -> torch.Tensor:
     """FP32 values of `q`, same shape as the original tensor."""
-    b = BLOCK[q.fmt]
+    f = q.format
     lead = q.codes.shape[:-1]
-    packed = q.codes.reshape(*lead, -1, b // 2)
-    if q.fmt == "nvfp4":
-        vals = nvfp4.dequantize_blocks(packed, q.scales, q.global_scale)
-    else:
-        vals = mxfp4.dequantize_blocks(packed, q.scales)
+    packed = q.codes.reshape(*lead, -1, f.block // 2)
+    vals = f.dequantize_blocks(packed, q.scales, q.global_scale)
     return vals.reshape(*lead, -1)
 
 
-def qdq(x: torch.Tensor, fmt: str, **kw) -> torch.Tensor:
+def qdq(x: torch.Tensor, fmt: str | Format, **kw) -> torch.Tensor:
     """Quantize then dequantize (FP32 result)."""
     return dequantize(quantize(x, fmt, **kw))

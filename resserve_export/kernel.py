@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from . import kext
-from .constants import BLOCK, SELECTION_GROUP
+from . import kext, registry
+from .constants import SELECTION_GROUP
 from .errors import UserError
 from .mxfp4 import ScaleRounding
 from .nvfp4 import global_scale
@@ -30,7 +30,6 @@ from .qtensor import FP4Tensor
 from .selection import check_ratio
 
 BACKENDS = ("auto", "cuda", "reference")
-_FMT_CODE = {"nvfp4": 0, "mxfp4": 1}
 _ROUNDING_CODE = {ScaleRounding.CEIL: 0, ScaleRounding.FLOOR: 1, ScaleRounding.EVEN: 2}
 _SOURCES = ("quantize_extend.cu", "binding.cpp")
 # Compiler flags: no fast math, and no multiply fused into an add anywhere (SPEC §3 order).
@@ -146,7 +145,8 @@ def _check_mask(mask: torch.Tensor, K: int, k: int, device, count: bool = True) 
 def _run(x: torch.Tensor, mask, ksel: int, fmt: str, alpha, rounding: ScaleRounding, K_E: int, out=None, rows=None, max_ctas=None):
     """Launch the kernel on 2-D contiguous x; returns (codes, scales, rcodes, rscales) as uint8."""
     M, K = x.shape
-    b = BLOCK[fmt]
+    f = registry.get(fmt)
+    b = f.block
     dev = x.device
     if out is None:
         out = (
@@ -158,7 +158,7 @@ def _run(x: torch.Tensor, mask, ksel: int, fmt: str, alpha, rounding: ScaleRound
     empty = torch.empty(0, dtype=torch.uint8, device=dev)
     a = alpha if alpha is not None else torch.zeros((), dtype=torch.float32, device=dev)
     _extension().quantize_extend_out(
-        x, mask if mask is not None else empty, a, *out, ksel, _FMT_CODE[fmt], _ROUNDING_CODE[rounding], K_E,
+        x, mask if mask is not None else empty, a, *out, ksel, f.kernel_code, _ROUNDING_CODE[rounding], K_E,
         DEFAULT_ROWS if rows is None else rows,
         default_max_ctas(x.device.index if x.device.index is not None else torch.cuda.current_device()) if max_ctas is None else max_ctas,
     )
@@ -166,23 +166,22 @@ def _run(x: torch.Tensor, mask, ksel: int, fmt: str, alpha, rounding: ScaleRound
 
 
 def _as_fp4(fmt: str, codes, scales, alpha, lead) -> FP4Tensor:
-    if fmt == "nvfp4":
-        scales = scales.view(torch.float8_e4m3fn)
+    f = registry.get(fmt)
+    scales = f.as_scales(scales)
     return FP4Tensor(
-        fmt, codes.reshape(*lead, codes.shape[-1]), scales.reshape(*lead, scales.shape[-1]), alpha if fmt == "nvfp4" else None
+        f.name, codes.reshape(*lead, codes.shape[-1]), scales.reshape(*lead, scales.shape[-1]), alpha if f.has_tensor_scale else None
     )
 
 
 def _prepare(x: torch.Tensor, fmt: str, alpha):
-    if fmt not in _FMT_CODE:
-        raise ValueError(f"unknown format {fmt!r}, available formats: {list(_FMT_CODE)}")
+    f = registry.get(fmt)
     K = x.shape[-1]
-    if K % BLOCK[fmt]:
-        raise ValueError(f"last dim {K} is not a multiple of the {fmt} block size {BLOCK[fmt]}")
+    if K % f.block:
+        raise ValueError(f"last dim {K} is not a multiple of the {f.name} block size {f.block}")
     x2 = x.reshape(-1, K)
     if not x2.is_contiguous() or x2.data_ptr() % 16:
         x2 = x2.contiguous().clone() if x2.is_contiguous() else x2.contiguous()
-    a = _alpha(x2, alpha) if fmt == "nvfp4" else None
+    a = _alpha(x2, alpha) if f.has_tensor_scale else None
     return x2, a
 
 
@@ -206,7 +205,7 @@ def quantize_extend(
     ratio = check_ratio(ratio)
     rounding = ScaleRounding(rounding)
     if _pick(x, backend) == "reference":
-        if fmt == "nvfp4":
+        if registry.get(fmt).has_tensor_scale:
             alpha = _alpha(x, alpha)
         # On the CPU, large tensors take formats.quantize's compiled (bit-identical) path.
         backend = "auto" if x.device.type == "cpu" else "reference"
@@ -234,7 +233,7 @@ def quantize_full(
     """(X̂, R̂) for full compensation: same result as `kext.full_residue`."""
     rounding = ScaleRounding(rounding)
     if _pick(x, backend) == "reference":
-        if fmt == "nvfp4":
+        if registry.get(fmt).has_tensor_scale:
             alpha = _alpha(x, alpha)
         backend = "auto" if x.device.type == "cpu" else "reference"
         return kext.full_residue(x, fmt, alpha=alpha, rounding=rounding, backend=backend)

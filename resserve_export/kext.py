@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .constants import BLOCK, EXT_PAD
+from . import registry
 from .formats import dequantize, quantize
 from .mxfp4 import ScaleRounding
 from .qtensor import FP4Tensor
@@ -21,7 +21,7 @@ def ext_width(K: int, ratio: float, fmt: str) -> int:
     ratio = check_ratio(ratio)
     if ratio in (0.0, 1.0):
         return 0
-    pad = EXT_PAD[fmt]
+    pad = registry.get(fmt).ext_pad
     total = K + int(ratio * K)
     return math.ceil(total / pad) * pad - K
 
@@ -63,11 +63,8 @@ def extend_weight(
     K_E = ext_width(K, ratio, fmt)
     if K_E == 0:
         return None
-    if fmt == "nvfp4" and alpha is None:
-        from .formats import abs_max
-        from .nvfp4 import global_scale
-
-        alpha = global_scale(abs_max(weight))
+    if alpha is None:
+        alpha = registry.get(fmt).tensor_alpha(weight)  # None without a tensor scale
     return quantize(_compact(weight, mask, K_E), fmt, alpha=alpha, rounding=rounding, backend=backend)
 
 
@@ -107,4 +104,4 @@ def full_residue(
     return base, res
 
 
-__all__ = ["BLOCK", "ext_width", "extended_width", "residue", "extend_weight", "extended_activation", "full_residue"]
+__all__ = ["ext_width", "extended_width", "residue", "extend_weight", "extended_activation", "full_residue"]

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import registry
+
 
 @dataclass(frozen=True)
 class FP4Tensor:
@@ -22,6 +24,11 @@ class FP4Tensor:
     global_scale: torch.Tensor | None = None
 
     @property
+    def format(self) -> registry.Format:
+        """The `registry.Format` named by `fmt`."""
+        return registry.get(self.fmt)
+
+    @property
     def shape(self) -> tuple[int, ...]:
         return (*self.codes.shape[:-1], self.codes.shape[-1] * 2)
 
@@ -32,9 +39,7 @@ class FP4Tensor:
 
     def narrow(self, start: int, length: int) -> "FP4Tensor":
         """Columns ``[start, start+length)`` along the last dim (block-aligned)."""
-        from .constants import BLOCK
-
-        b = BLOCK[self.fmt]
+        b = self.format.block
         if start % b or length % b:
             raise ValueError(f"narrow({start}, {length}) is not aligned to {self.fmt} blocks of {b}")
         return FP4Tensor(

@@ -28,15 +28,14 @@ from typing import Callable
 
 import torch
 
-from . import kernel
-from .checkpoint import Checkpoint, PackedLinear, quant_tensor_names
+from . import kernel, registry
+from .checkpoint import Checkpoint, PackedLinear
 from .constants import SELECTION_GROUP
 from .errors import CheckpointMismatch, UserError
 from .formats import quantize
 from .kext import extend_weight
-from .nvfp4 import global_scale, group_global_scale
 from .qtensor import FP4Tensor
-from .selection import PARTIAL_RATIOS, mask_to_bool, mode_of, select_mask
+from .selection import PARTIAL_RATIOS, mask_to_bool, select_mask
 
 SWEEP = PARTIAL_RATIOS
 DEFAULT_TEXT = "shakespeare:eval"
@@ -153,7 +152,7 @@ def group_nmse(
     """
     dev = x.device
     first = packed[next(iter(packed))]
-    alpha = first.input_scale.to(dev) if fmt == "nvfp4" else None
+    alpha = first.input_scale.to(dev) if registry.get(fmt).has_tensor_scale else None
     ratio, mode, mask = first.ratio, first.mode, first.mask
     masks = {r: select_mask(salience, r) for r in sweep} if salience is not None else {}
 
@@ -206,56 +205,41 @@ def group_nmse(
 def _emulated_linear(lin, pk, fmt: str, rounding: str, mode: str, cache: dict):
     """An `EmulatedLinear` for `lin` whose weights are the checkpoint's stored tensors.
 
-    `EmulatedLinear` quantizes the bf16 weight itself; here its `QuantizedWeight` is filled from
-    the stored base and extension instead (dequantized once, shared by every mode through
-    `cache`), so what is measured is what was packed.
+    `EmulatedLinear` quantizes the bf16 weight itself; here its `QuantizedWeight` is the stored
+    base and extension instead (`QuantizedWeight.from_stored`, dequantized once, shared by every
+    mode through `cache`), so what is measured is what was packed.
     """
-    from torch import nn
-
     from .emulate import EmulatedLinear, QuantizedWeight
-    from .mxfp4 import ScaleRounding
 
     dev = lin.weight.device
     ratio = pk.ratio if mode == "checkpoint" else 0.0
+    partial = 0 < ratio < 1
     if "w" not in cache:
         cache["w"] = pk.base.dequantize().to(dev)
-    qw = QuantizedWeight.__new__(QuantizedWeight)
-    qw.fmt, qw.ratio, qw.rounding = fmt, ratio, ScaleRounding(rounding)
-    qw.mask = pk.mask if 0 < ratio < 1 else None
-    qw.base, qw.w, qw.ext, qw.w_ext = pk.base, cache["w"], None, None
-    if 0 < ratio < 1:
-        if "w_ext" not in cache:
-            cache["w_ext"] = pk.ext.dequantize().to(dev)
-        qw.ext, qw.w_ext = pk.ext, cache["w_ext"]
-    em = EmulatedLinear.__new__(EmulatedLinear)
-    nn.Module.__init__(em)
-    em.in_features, em.out_features = lin.in_features, lin.out_features
-    em.qw = qw
-    em.bias = None if lin.bias is None else lin.bias.detach().float()
-    em.input_alpha = pk.input_scale.to(dev) if fmt == "nvfp4" else None
-    em.mode = mode_of(ratio) if mode == "checkpoint" else mode
-    em.decode_rows = None
-    return em
+    if partial and "w_ext" not in cache:
+        cache["w_ext"] = pk.ext.dequantize().to(dev)
+    qw = QuantizedWeight.from_stored(
+        fmt, ratio, rounding, pk.mask if partial else None, pk.base, cache["w"],
+        pk.ext if partial else None, cache["w_ext"] if partial else None,
+    )
+    input_alpha = pk.input_scale.to(dev) if registry.get(fmt).has_tensor_scale else None
+    return EmulatedLinear.from_weight(lin, qw, input_alpha=input_alpha, mode=None if mode == "checkpoint" else mode)
 
 
 @contextmanager
 def emulated(model, ck: Checkpoint, mode: str, packed: dict | None = None, cache: dict | None = None):
-    """Replace every quantized linear by an emulated one (``plain``, ``checkpoint`` or ``full``)."""
+    """Replace every quantized linear by an emulated one (``plain``, ``checkpoint`` or ``full``)
+    for the duration of the block (`emulate.swapped`)."""
+    from .emulate import swapped
+
     packed = packed if packed is not None else {m: ck.read(m) for m in ck.modules}
     cache = cache if cache is not None else {}
-    originals = {}
-    try:
-        for m in ck.modules:
-            parent_name, _, leaf = m.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            lin = getattr(parent, leaf)
-            em = _emulated_linear(lin, packed[m], ck.fmt, ck.rounding, mode, cache.setdefault(m, {}))
-            originals[m] = (parent, leaf, lin)
-            setattr(parent, leaf, em)
+    swaps = {
+        m: _emulated_linear(model.get_submodule(m), packed[m], ck.fmt, ck.rounding, mode, cache.setdefault(m, {}))
+        for m in ck.modules
+    }
+    with swapped(model, swaps):
         yield model
-    finally:
-        for parent, leaf, lin in originals.values():
-            setattr(parent, leaf, lin)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -296,18 +280,17 @@ def _first_difference(
     extension is rebuilt from the stored mask: whether that mask is the calibration's is a
     separate question.
     """
-    fmt = pk.fmt
-    names = quant_tensor_names(fmt)
-    if fmt == "nvfp4" and not _same(pk.base.global_scale, alpha):
-        return names[2]
-    q = quantize(w, fmt, alpha=alpha, rounding=rounding, backend="reference")
+    f = registry.get(pk.fmt)
+    if f.has_tensor_scale and not _same(pk.base.global_scale, alpha):
+        return f.tensor_scale_name
+    q = quantize(w, f, alpha=alpha, rounding=rounding, backend="reference")
     if not _same(pk.base.codes, q.codes):
-        return names[0]
+        return f.weight_name
     if not _same(pk.base.scales, q.scales):
-        return names[1]
+        return f.scale_name
     if (pk.mask is not None) != (pk.ratio > 0) or (pk.mask is not None and not _valid_mask(pk.mask, w.shape[-1], pk.ratio)):
         return "resserve_mask"
-    ext = extend_weight(w, pk.mask, pk.ratio, fmt, rounding, alpha=alpha, backend="reference") if pk.mask is not None else None
+    ext = extend_weight(w, pk.mask, pk.ratio, f, rounding, alpha=alpha, backend="reference") if pk.mask is not None else None
     if not _same(None if pk.ext is None else pk.ext.codes, None if ext is None else ext.codes):
         return "resserve_weight"
     if ext is not None and not _same(pk.ext.scales, ext.scales):
@@ -315,7 +298,7 @@ def _first_difference(
     if mask is not None and not _same(pk.mask, mask):
         return "resserve_mask"
     if input_scale is not None and not _same(pk.input_scale, input_scale):
-        return names[3]
+        return f.input_scale_name
     return None
 
 
@@ -329,26 +312,25 @@ def weight_mismatches(
     quantization of `weights` (the model's, in its source dtype), in checkpoint order.
 
     The reference owes nothing to the checkpoint, or a wrong model would pass: NVFP4's α is
-    recomputed per fused group from the model's weights (`nvfp4.group_global_scale`, the rule
+    recomputed per fused group from the model's weights (`registry.Format.weight_alpha`, the rule
     `pack` applies) and compared with the stored ``weight_scale_2``; codes and block scales are
     re-quantized with it, and the K-Ext extension rebuilt with `kext.extend_weight`. With
     calibration statistics `stats` (``{module: {"mean_abs", "amax"}}``, as `calibrate` writes
     them) the masks must also be ``select_mask(mean_abs, ratio)`` and NVFP4's ``input_scale`` the
     group's max amax_x through `global_scale`. Every comparison is bit for bit.
     """
-    fmt = ck.fmt
+    f = registry.get(ck.fmt)
     bad = []
     for g in ck.groups:
         members, ratio = g["members"], float(g["ratio"])
-        alpha = group_global_scale(weights[m] for m in members) if fmt == "nvfp4" else None
+        alpha = f.weight_alpha(weights[m] for m in members)
         mask = input_scale = None
         if stats is not None:
             lacking = [m for m in members if "mean_abs" not in stats.get(m, {}) or "amax" not in stats.get(m, {})]
             if lacking:
                 raise UserError(f"the calibration has no statistics for {lacking[0]}: pass the --calib the checkpoint was packed with")
             mask = select_mask(stats[members[0]]["mean_abs"], ratio) if ratio > 0 else None
-            if fmt == "nvfp4":
-                input_scale = global_scale(torch.stack([stats[m]["amax"].float().reshape(()) for m in members]).max())
+            input_scale = f.input_alpha(torch.stack([stats[m]["amax"].float().reshape(()) for m in members]).max())
         for m in members:
             first = _first_difference(ck.read(m), weights[m], alpha, ck.rounding, mask, input_scale)
             if first is not None:
@@ -474,7 +456,7 @@ def evaluate(
     chain = [pooled["plain"], *[pooled[f"ratio_{r}"] for r in sweep if f"ratio_{r}" in pooled], pooled["full"]]
     return {
         "format": fmt,
-        "mx_scale_rounding": rounding if fmt == "mxfp4" else None,
+        "mx_scale_rounding": registry.get(fmt).rounding_record(rounding),
         "activation_quantization": _backend_label(backend, device),
         "perplexity_activation_quantization": f"PyTorch reference in emulate.EmulatedLinear ({torch.device(device).type})",
         "device": str(device),

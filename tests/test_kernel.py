@@ -14,8 +14,7 @@ import zlib
 import pytest
 import torch
 
-from resserve_export import kernel, kext
-from resserve_export.constants import BLOCK
+from resserve_export import kernel, kext, registry
 from resserve_export.fp4 import encode_e2m1
 from resserve_export.nvfp4 import global_scale
 from resserve_export.selection import bool_to_mask
@@ -198,7 +197,7 @@ def test_kernel_bit_exact(fmt, rounding, dtype, ratio):
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{fmt}{rounding}{dtype}{ratio}".encode()))
     cpu_gen = torch.Generator().manual_seed(1)
     dev = torch.device("cuda")
-    b = BLOCK[fmt]
+    b = registry.get(fmt).block
     shapes = list(itertools.product(SHAPES_M, SHAPES_K))
     if fmt == "mxfp4" and rounding == "ceil":
         # reference on the CPU (see _reference): the largest row count at one K only
@@ -237,7 +236,7 @@ def test_kernel_bit_exact_where_rows_take_the_exact_path(fmt, rounding, ratio):
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"exact{fmt}{rounding}{ratio}".encode()))
     cpu_gen = torch.Generator().manual_seed(3)
     dev = torch.device("cuda")
-    b = BLOCK[fmt]
+    b = registry.get(fmt).block
     M, K = 96, 4096
     K_E = kext.ext_width(K, ratio, fmt)
     ksel = 8 if ratio == 1.0 else (int(ratio * 8) if K_E else 0)

@@ -17,6 +17,7 @@ def command(
     from rich.table import Table
 
     from ..inspect_ckpt import inspect_checkpoint
+    from ..registry import get as get_format
 
     info = inspect_checkpoint(ckpt)
     if as_json:
@@ -24,7 +25,7 @@ def command(
         return
     con = console()
     b = info["bytes"]
-    rnd = f", MX scale rounding {info['mx_scale_rounding']}" if info["format"] == "mxfp4" else ""
+    rnd = f", MX scale rounding {info['mx_scale_rounding']}" if get_format(info["format"]).has_rounding else ""
     con.print(
         f"[bold]{info['path']}[/]: {info['format'].upper()} ({info['quant_method']}{rnd}), "
         f"{len(info['groups'])} groups ({', '.join(f'{k} {v}' for k, v in sorted(info['modes'].items()))}), "

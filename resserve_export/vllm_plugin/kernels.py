@@ -36,6 +36,7 @@ from vllm.platforms import current_platform
 from ..formats import dequantize, quantize
 from ..mxfp4 import ScaleRounding
 from ..qtensor import FP4Tensor
+from ..registry import MXFP4
 
 DEFAULT_ROUNDING = ScaleRounding.EVEN
 
@@ -60,14 +61,14 @@ def checkpoint_rounding() -> ScaleRounding:
 
 def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """FP32 ``[N, K]`` from packed codes ``[N, K/2]`` and E8M0 scales ``[N, K/32]``."""
-    return dequantize(FP4Tensor("mxfp4", codes, scales.view(torch.uint8), None))
+    return dequantize(FP4Tensor(MXFP4.name, codes, MXFP4.as_scales(scales), None))
 
 
 def qdq_mxfp4(x: torch.Tensor, rounding: ScaleRounding) -> torch.Tensor:
     """MXFP4 quantize-dequantize of activations along the last dim, FP32 result."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).float()
-    q = quantize(x2, "mxfp4", rounding=rounding, backend="reference")
+    q = quantize(x2, MXFP4, rounding=rounding, backend="reference")
     return dequantize(q).reshape(shape)
 
 

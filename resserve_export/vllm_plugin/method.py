@@ -32,6 +32,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.quantization import get_quantization_config, register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
+from .. import registry
 from ..emulate import quantized_matmul
 from ..formats import dequantize
 from ..mxfp4 import ScaleRounding
@@ -43,8 +44,6 @@ NAME = "resserve"
 DECODE_ROWS_ENV = "RESSERVE_DECODE_ROWS"
 DEFAULT_DECODE_ROWS = 16
 SIDECAR_INDEX = "resserve.safetensors.index.json"
-# The stock method that loads each element format's plain part.
-_INNER = {"nvfp4": "modelopt_fp4", "mxfp4": "compressed-tensors"}
 
 
 def decode_rows() -> int:
@@ -120,10 +119,13 @@ class ResServeConfig(QuantizationConfig):
             )
         self.section = hf_quant_cfg["resserve"]
         self.fmt = self.section["element_format"]
-        if self.fmt not in _INNER:
-            raise ValueError(f"resserve: unknown element format {self.fmt!r}, expected one of {list(_INNER)}")
+        try:
+            self.format = registry.get(self.fmt)
+        except ValueError:
+            raise ValueError(f"resserve: unknown element format {self.fmt!r}, expected one of {list(registry.FORMATS)}") from None
         inner_cfg = {k: v for k, v in hf_quant_cfg.items() if k != "resserve"}
-        self.inner = get_quantization_config(_INNER[self.fmt]).from_config(inner_cfg)
+        # The stock method that loads the format's plain part.
+        self.inner = get_quantization_config(self.format.stock_method).from_config(inner_cfg)
         self.rounding = ScaleRounding(self.section.get("mx_scale_rounding") or "ceil")
         self.groups: dict[str, dict] = {m: g for g in self.section["groups"] for m in g["members"]}
         self._sidecar: Sidecar | None = None
@@ -208,12 +210,13 @@ class ResServeLinearMethod(LinearMethodBase):
         )
 
     def _base(self, layer) -> tuple[FP4Tensor, torch.Tensor | None]:
-        fmt = self.config.fmt
-        if fmt == "nvfp4":
-            alpha = layer.weight_scale_2.detach().float().max().reshape(())
-            base = FP4Tensor(fmt, layer.weight.detach(), layer.weight_scale.detach(), alpha)
-            return base, layer.input_scale.detach().float().max().reshape(())
-        return FP4Tensor(fmt, layer.weight_packed.detach(), layer.weight_scale.detach().view(torch.uint8)), None
+        """The stored weight and input α from the layer's stock parameters (named as in the
+        checkpoint); a fused layer holds one tensor scale per shard, and serves with their max."""
+
+        def param(name: str) -> torch.Tensor:  # "layer.<checkpoint suffix>": the stock parameter of that name
+            return getattr(layer, name.removeprefix("layer.")).detach()
+
+        return self.config.format.read_base(param, "layer", scalar=lambda t: t.float().max().reshape(()))
 
     def process_weights_after_loading(self, layer) -> None:
         base, input_alpha = self._base(layer)
@@ -226,12 +229,10 @@ class ResServeLinearMethod(LinearMethodBase):
                 raise ValueError(f"resserve: fused members {self.members} carry different masks")
             mask = masks[0]
         if self.mode == "k_ext":
-            fmt = self.config.fmt
+            f = self.config.format
             codes = torch.cat([side.get(f"{m}.resserve_weight") for m in self.members])
-            scales = torch.cat([side.get(f"{m}.resserve_weight_scale") for m in self.members])
-            if fmt == "mxfp4":
-                scales = scales.view(torch.uint8)
-            w_ext = dequantize(FP4Tensor(fmt, codes, scales, base.global_scale))
+            scales = f.as_scales(torch.cat([side.get(f"{m}.resserve_weight_scale") for m in self.members]))
+            w_ext = dequantize(FP4Tensor(f.name, codes, scales, base.global_scale))
         layer.resserve = LoadedWeight(self.config.fmt, self.ratio, self.config.rounding, mask, dequantize(base), w_ext)
         layer.resserve_input_alpha = input_alpha
 

@@ -1,0 +1,254 @@
+"""The checkpoint formats: one object each, and the only place a format's name is branched on.
+
+A `Format` owns everything that differs between formats: block size and scale encoding, whether
+it has a tensor scale (NVFP4's α, stored as ``weight_scale_2``, and the static activation α,
+``input_scale``), the MX scale rounding choice, the K-Ext padding multiple, the per-linear tensor
+names of the plain part, the quantization config it writes (and the extra files), the stock
+vLLM method and linear-kernel family that serve the plain part, and its code in the fused CUDA
+kernel. Callers ask the format (`get(name)`); they never compare names.
+
+Registered today:
+
+- ``nvfp4``: NVFP4 in ModelOpt's unified HF format (``quant_method: modelopt``), blocks of 16,
+  E4M3 block scales and an FP32 tensor scale; served by vLLM's ``modelopt_fp4`` method.
+- ``mxfp4``: MXFP4 in compressed-tensors' ``mxfp4-pack-quantized`` format, blocks of 32, E8M0
+  block scales (uint8), no tensor scale; served by vLLM's ``compressed-tensors`` method.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from . import mxfp4, nvfp4
+from .constants import MXFP4_BLOCK, NVFP4_BLOCK
+from .mxfp4 import ScaleRounding
+
+PRODUCER = "resserve-export"
+HF_QUANT_CONFIG = "hf_quant_config.json"  # NVFP4's extra file (ModelOpt's unified HF format)
+
+
+@dataclass(frozen=True)
+class Format:
+    """One checkpoint format (see the module docstring)."""
+
+    name: str
+    block: int
+    ext_pad: int  # K + K_E is padded to a multiple of this (block-scale columns a multiple of 4)
+    scale_st_dtype: str  # safetensors dtype of block scales
+    scale_torch_dtype: torch.dtype
+    has_tensor_scale: bool  # an FP32 α for weights (weight_scale_2) and activations (input_scale)
+    has_rounding: bool  # block exponents follow a ScaleRounding choice
+    weight_name: str
+    scale_name: str
+    tensor_scale_name: str | None
+    input_scale_name: str | None
+    stock_method: str  # vLLM's --quantization that serves the plain part
+    stock_kernel: str  # vLLM's linear-kernel family (register_linear_kernel) of the plain part
+    kernel_code: int  # the format argument of the fused CUDA kernel (kernels/quantize_extend.cu)
+    _quantize_blocks: Callable
+    _dequantize_blocks: Callable
+    _config: Callable[[list[str], str], dict]
+    _extra_files: Callable[[list[str], str], dict]
+
+    # ------------------------------------------------------------------ tensors and names
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        """Per-linear tensor suffixes of the plain part, in write order."""
+        extra = (self.tensor_scale_name, self.input_scale_name) if self.has_tensor_scale else ()
+        return (self.weight_name, self.scale_name, *extra)
+
+    def base_specs(self, module: str, N: int, K: int) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, safetensors dtype, shape) of one linear's plain tensors, in write order."""
+        specs = [(f"{module}.{self.weight_name}", "U8", (N, K // 2)), (f"{module}.{self.scale_name}", self.scale_st_dtype, (N, K // self.block))]
+        if self.has_tensor_scale:
+            specs += [(f"{module}.{self.tensor_scale_name}", "F32", ()), (f"{module}.{self.input_scale_name}", "F32", ())]
+        return specs
+
+    def base_tensors(self, q, input_scale: torch.Tensor | None) -> list[tuple[str, torch.Tensor]]:
+        """(suffix, tensor) of one quantized linear's plain part, in `base_specs` order."""
+        out = [(self.weight_name, q.codes), (self.scale_name, q.scales)]
+        if self.has_tensor_scale:
+            out += [(self.tensor_scale_name, q.global_scale.reshape(()).float()), (self.input_scale_name, input_scale.reshape(()).float())]
+        return out
+
+    def read_base(self, get: Callable[[str], torch.Tensor], module: str, scalar: Callable | None = None):
+        """(FP4Tensor of the stored weight, input α or None) through ``get(tensor name)``.
+
+        `scalar` turns a stored tensor scale into the FP32 0-d α (default: ``t.float().reshape(())``,
+        a checkpoint's scalar; vLLM's fused layers hold one per shard and pass their max)."""
+        from .qtensor import FP4Tensor
+
+        if scalar is None:
+            scalar = lambda t: t.float().reshape(())  # noqa: E731
+        weight = get(f"{module}.{self.weight_name}")
+        scales = self.as_scales(get(f"{module}.{self.scale_name}"))
+        if not self.has_tensor_scale:
+            return FP4Tensor(self.name, weight, scales), None
+        alpha = scalar(get(f"{module}.{self.tensor_scale_name}"))
+        input_alpha = scalar(get(f"{module}.{self.input_scale_name}"))
+        return FP4Tensor(self.name, weight, scales, alpha), input_alpha
+
+    def as_scales(self, raw: torch.Tensor) -> torch.Tensor:
+        """Block scales from their raw bytes (uint8 as kernels and loaders hand them over)."""
+        return raw.view(self.scale_torch_dtype)
+
+    # ------------------------------------------------------------------ arithmetic
+
+    def quantize_blocks(self, blocks: torch.Tensor, alpha: torch.Tensor | None, rounding: ScaleRounding):
+        """(codes, scales) of ``[n, block]`` blocks (the reference block functions)."""
+        return self._quantize_blocks(blocks, alpha, ScaleRounding(rounding))
+
+    def blocks_fn(self, rounding: ScaleRounding) -> Callable:
+        """``fn(blocks, *alpha_args)`` for compiled chunking: α is an argument only where it exists."""
+        if self.has_tensor_scale:
+            return nvfp4.quantize_blocks
+        return functools.partial(mxfp4.quantize_blocks, rounding=ScaleRounding(rounding))
+
+    def dequantize_blocks(self, codes: torch.Tensor, scales: torch.Tensor, alpha: torch.Tensor | None) -> torch.Tensor:
+        return self._dequantize_blocks(codes, scales, alpha)
+
+    def weight_alpha(self, weights: Iterable[torch.Tensor]) -> torch.Tensor | None:
+        """The tensor scale of a fused group's weights (one for all members), None without one."""
+        return nvfp4.group_global_scale(weights) if self.has_tensor_scale else None
+
+    def tensor_alpha(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The tensor scale from one tensor's own amax (a weight quantized alone)."""
+        if not self.has_tensor_scale:
+            return None
+        from .formats import abs_max
+
+        return nvfp4.global_scale(abs_max(x))
+
+    def input_alpha(self, amax: torch.Tensor) -> torch.Tensor | None:
+        """The static activation scale from a calibrated amax, None without a tensor scale."""
+        return nvfp4.global_scale(torch.as_tensor(amax, dtype=torch.float32)) if self.has_tensor_scale else None
+
+    def rounding_record(self, rounding: ScaleRounding | str) -> str | None:
+        """What records say about the scale rounding: its name where it matters, else None."""
+        return ScaleRounding(rounding).value if self.has_rounding else None
+
+    # ------------------------------------------------------------------ configs
+
+    def quantization_config(self, ignore: list[str], version: str) -> dict:
+        """config.json ``quantization_config`` for stock vLLM (without our ``resserve`` section)."""
+        return self._config(list(ignore), version)
+
+    def extra_files(self, ignore: list[str], version: str) -> dict[str, dict]:
+        """Files besides config.json the format's loaders read: ``{file name: JSON}``."""
+        return self._extra_files(list(ignore), version)
+
+
+def _nvfp4_config(ignore: list[str], version: str) -> dict:
+    """What ModelOpt 0.47's export writes (``quant_method: modelopt``, ``quant_algo: NVFP4``, its
+    compressed-tensors-style ``config_groups``), plus ``group_size``."""
+    g = NVFP4_BLOCK
+    return {
+        "quant_method": "modelopt",
+        "quant_algo": "NVFP4",
+        "group_size": g,
+        "kv_cache_scheme": None,
+        "ignore": ignore,
+        "producer": {"name": PRODUCER, "version": version},
+        "config_groups": {
+            "group_0": {
+                "input_activations": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": g},
+                "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": g},
+                "targets": ["Linear"],
+            }
+        },
+    }
+
+
+def _nvfp4_files(ignore: list[str], version: str) -> dict[str, dict]:
+    """``hf_quant_config.json`` of ModelOpt's unified HF export."""
+    return {
+        HF_QUANT_CONFIG: {
+            "producer": {"name": PRODUCER, "version": version},
+            "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": NVFP4_BLOCK, "exclude_modules": ignore},
+        }
+    }
+
+
+def _mxfp4_config(ignore: list[str], version: str) -> dict:
+    """compressed-tensors ``mxfp4-pack-quantized``: 4-bit float weights, strategy group, group size
+    32, symmetric; activations the same, dynamic."""
+    args = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": MXFP4_BLOCK, "symmetric": True}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "mxfp4-pack-quantized",
+        "quantization_status": "compressed",
+        "kv_cache_scheme": None,
+        "ignore": ignore,
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**args, "dynamic": False},
+                "input_activations": {**args, "dynamic": True},
+                "output_activations": None,
+                "format": "mxfp4-pack-quantized",
+            }
+        },
+    }
+
+
+NVFP4 = Format(
+    name="nvfp4",
+    block=NVFP4_BLOCK,
+    ext_pad=64,
+    scale_st_dtype="F8_E4M3",
+    scale_torch_dtype=torch.float8_e4m3fn,
+    has_tensor_scale=True,
+    has_rounding=False,
+    weight_name="weight",
+    scale_name="weight_scale",
+    tensor_scale_name="weight_scale_2",
+    input_scale_name="input_scale",
+    stock_method="modelopt_fp4",
+    stock_kernel="nvfp4",
+    kernel_code=0,
+    _quantize_blocks=lambda blocks, alpha, rounding: nvfp4.quantize_blocks(blocks, alpha),
+    _dequantize_blocks=lambda codes, scales, alpha: nvfp4.dequantize_blocks(codes, scales, alpha),
+    _config=_nvfp4_config,
+    _extra_files=_nvfp4_files,
+)
+
+MXFP4 = Format(
+    name="mxfp4",
+    block=MXFP4_BLOCK,
+    ext_pad=128,
+    scale_st_dtype="U8",
+    scale_torch_dtype=torch.uint8,
+    has_tensor_scale=False,
+    has_rounding=True,
+    weight_name="weight_packed",
+    scale_name="weight_scale",
+    tensor_scale_name=None,
+    input_scale_name=None,
+    stock_method="compressed-tensors",
+    stock_kernel="mxfp4",
+    kernel_code=1,
+    _quantize_blocks=lambda blocks, alpha, rounding: mxfp4.quantize_blocks(blocks, rounding),
+    _dequantize_blocks=lambda codes, scales, alpha: mxfp4.dequantize_blocks(codes, scales),
+    _config=_mxfp4_config,
+    _extra_files=lambda ignore, version: {},
+)
+
+FORMATS: dict[str, Format] = {f.name: f for f in (NVFP4, MXFP4)}
+
+
+def get(fmt: str | Format) -> Format:
+    """The `Format` named `fmt` (a `Format` passes through); ValueError lists the choices."""
+    if isinstance(fmt, Format):
+        return fmt
+    try:
+        return FORMATS[fmt]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown format {fmt!r}, available formats: {list(FORMATS)}") from None
+
+
+__all__ = ["Format", "FORMATS", "NVFP4", "MXFP4", "HF_QUANT_CONFIG", "PRODUCER", "get"]
