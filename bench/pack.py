@@ -100,7 +100,7 @@ def calibration(model_dir: Path, calib: Path) -> None:
     from safetensors.torch import save_file
 
     from resserve_export import modelio
-    from resserve_export.pack import model_groups
+    from resserve_export.layout import model_groups
 
     fp = modelio.fingerprint(model_dir)
     if (calib / "calibration.json").exists() and json.loads((calib / "calibration.json").read_text())["fingerprint"] == fp:
@@ -145,7 +145,6 @@ def run_modelopt(model_dir: Path, out: Path, device: str = "cpu") -> dict:
     import torch
     from modelopt.torch.quantization.qtensor import NVFP4QTensor
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     from resserve_export import modelio
 
@@ -175,7 +174,6 @@ def run_modelopt(model_dir: Path, out: Path, device: str = "cpu") -> dict:
 
 def run_io(model_dir: Path, out: Path) -> dict:
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     from resserve_export import modelio
 

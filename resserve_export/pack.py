@@ -19,161 +19,35 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from . import __version__, modelio
+from . import __version__, modelio, registry
 from .checkpoint import (
-    HF_QUANT_CONFIG,
     MODEL_INDEX,
     MODEL_PREFIX,
     SIDECAR_INDEX,
     SIDECAR_PREFIX,
     SafetensorsFiles,
     ShardedWriter,
-    TensorSpec,
     dump_json,
     file_bytes,
-    natural_key,
-    nvfp4_hf_quant_config,
     parse_size,
-    quant_tensor_names,
-    quantization_config,
     resserve_section,
-    split_shards,
-    st_dtype,
     _fsync_write,
 )
-from .constants import BLOCK, FORMATS, RATIOS, SELECTION_GROUP
+from .constants import RATIOS
 from .errors import UserError
-from .groups import Group, expert_modules, group_linears, linears_from_shapes
-from .kext import ext_width
+from .groups import Group
+from .layout import OWN_FILES, WEIGHT_SUFFIXES, build_layout, model_groups, recorded_groups, refuse_experts
 from .mxfp4 import ScaleRounding
 from .outputs import check_out_dir, check_writable, clean_stale
 from .ui import Progress
 
-# Files of a source model that are weights or that we write ourselves: never copied.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt", ".onnx")
-_OWN_FILES = {"config.json", MODEL_INDEX, SIDECAR_INDEX, HF_QUANT_CONFIG, "pytorch_model.bin.index.json"}
-_FLOAT_DTYPES = {"BF16", "F16", "F32"}
 _GROUP_CACHE_BYTES = 1 << 30
 THREADS_ENV = "RESSERVE_PACK_THREADS"  # intra-op threads for CPU quantization (default 1)
-
-
-# --------------------------------------------------------------------------------------------
-# Layout: what the checkpoint will contain, from shapes alone
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Layout:
-    """Every output tensor in write order, the work items producing them, and group records."""
-
-    fmt: str
-    items: list[tuple[str, object]]  # ("copy", name) | ("group", Group)
-    model: list[TensorSpec]
-    sidecar: list[TensorSpec]
-    groups: list[dict]
-    tensor_class: dict[str, str] = field(default_factory=dict)
-
-    def shards(self, max_bytes: int) -> tuple[list[list[TensorSpec]], list[list[TensorSpec]]]:
-        return split_shards(self.model, max_bytes), split_shards(self.sidecar, max_bytes)
-
-
-def _member_specs(fmt: str, module: str, N: int, K: int, ratio: float) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    b = BLOCK[fmt]
-    names = quant_tensor_names(fmt)
-    if fmt == "nvfp4":
-        plain = [
-            TensorSpec(f"{module}.{names[0]}", "U8", (N, K // 2)),
-            TensorSpec(f"{module}.{names[1]}", "F8_E4M3", (N, K // b)),
-            TensorSpec(f"{module}.{names[2]}", "F32", ()),
-            TensorSpec(f"{module}.{names[3]}", "F32", ()),
-        ]
-    else:
-        plain = [TensorSpec(f"{module}.{names[0]}", "U8", (N, K // 2)), TensorSpec(f"{module}.{names[1]}", "U8", (N, K // b))]
-    side: list[TensorSpec] = []
-    if ratio > 0:
-        side.append(TensorSpec(f"{module}.resserve_mask", "U8", (K // SELECTION_GROUP,)))
-    K_E = ext_width(K, ratio, fmt)
-    if K_E:
-        side.append(TensorSpec(f"{module}.resserve_weight", "U8", (N, K_E // 2)))
-        side.append(TensorSpec(f"{module}.resserve_weight_scale", "F8_E4M3" if fmt == "nvfp4" else "U8", (N, K_E // b)))
-    return plain, side
-
-
-def model_groups(shapes: dict[str, tuple[str, tuple[int, ...]]]) -> list[Group]:
-    """Decision groups of a checkpoint from its headers; MoE experts are refused."""
-    linears = linears_from_shapes(shapes)
-    experts = expert_modules(sorted(linears, key=natural_key))
-    if experts:
-        more = f" and {len(experts) - 3} more" if len(experts) > 3 else ""
-        raise UserError(f"MoE expert linears are not supported yet: {', '.join(experts[:3])}{more}")
-    ordered = {m: linears[m] for m in sorted(linears, key=natural_key)}
-    return group_linears(ordered)
-
-
-def build_layout(
-    shapes: dict[str, tuple[str, tuple[int, ...]]],
-    groups: list[Group],
-    ratios: dict[str, float],
-    fmt: str,
-    tied: bool,
-) -> Layout:
-    """The output layout for source tensors `shapes` (name -> (dtype, shape)).
-
-    Order is canonical (natural sort of source names, a group's outputs at its first member), so
-    the same inputs always give the same files. `ratios` maps ``group.name`` to ρ.
-    """
-    b = BLOCK[fmt]
-    member_of = {m: g for g in groups for m in g.modules}
-    items: list[tuple[str, object]] = []
-    model: list[TensorSpec] = []
-    sidecar: list[TensorSpec] = []
-    cls: dict[str, str] = {}
-    records: list[dict] = []
-    done: set[str] = set()
-    names = sorted(shapes, key=natural_key)
-    has_embed = any(n.endswith("embed_tokens.weight") for n in names)
-    for name in names:
-        dtype, shape = shapes[name]
-        if tied and name == "lm_head.weight" and has_embed:
-            continue  # tied embeddings are stored once
-        mod = name[: -len(".weight")] if name.endswith(".weight") else None
-        g = member_of.get(mod) if mod else None
-        if g is None:
-            items.append(("copy", name))
-            model.append(TensorSpec(name, dtype, tuple(shape)))
-            cls[name] = "unquantized"
-            continue
-        if g.name in done:
-            continue
-        done.add(g.name)
-        K = g.in_features
-        bad = [m for m in g.modules if shapes[f"{m}.weight"][0] not in _FLOAT_DTYPES]
-        if bad:
-            raise UserError(f"{bad[0]}.weight has dtype {shapes[bad[0] + '.weight'][0]}: pack needs bf16/fp16/fp32 weights")
-        if K % b:
-            raise UserError(
-                f"{', '.join(g.modules)}: in_features {K} is not a multiple of the {fmt} block size {b}; "
-                "this model cannot be packed in that format"
-            )
-        ratio = ratios[g.name]
-        K_E = ext_width(K, ratio, fmt)
-        for m, N in zip(g.modules, g.out_features):
-            plain, side = _member_specs(fmt, m, N, K, ratio)
-            model += plain
-            sidecar += side
-            for s in plain:
-                cls[s.name] = "linear"
-            for s in side:
-                cls[s.name] = "mask" if s.name.endswith("resserve_mask") else "extension"
-        items.append(("group", g))
-        mode = "plain" if ratio == 0 else ("full" if ratio == 1 else "k_ext")
-        records.append({"members": list(g.modules), "ratio": ratio, "mode": mode, "K": K, "K_E": K_E})
-    return Layout(fmt, items, model, sidecar, records, cls)
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,14 +55,9 @@ def build_layout(
 # --------------------------------------------------------------------------------------------
 
 
-def load_calibration(
-    calib: Path, model_fingerprint: str, groups: list[Group], allow_other_weights: bool = False
-) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """(calibration.json, {module: (mean_abs, amax)}) checked against the model.
-
-    The calibration must have been made from these exact weights (content fingerprint), unless
-    `allow_other_weights`; every amax must be finite and positive (it becomes a scale).
-    """
+def read_calibration(calib: Path, model_fingerprint: str, allow_other_weights: bool = False) -> dict:
+    """calibration.json of `calib`, made from these exact weights (content fingerprint) unless
+    `allow_other_weights`."""
     calib = Path(calib)
     meta_path, sal_path = calib / "calibration.json", calib / "salience.safetensors"
     if not meta_path.exists() or not sal_path.exists():
@@ -197,9 +66,23 @@ def load_calibration(
         meta = json.loads(meta_path.read_text())
     except ValueError:
         raise UserError(f"{meta_path} is not valid JSON: re-run calibrate") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"{meta_path} does not hold a calibration record: re-run calibrate")
     if not allow_other_weights:
         modelio.check_fingerprint(meta, model_fingerprint, f"calibration in {calib}")
-    sal = SafetensorsFiles([sal_path])
+    return meta
+
+
+def load_calibration(
+    calib: Path, model_fingerprint: str, groups: list[Group], allow_other_weights: bool = False
+) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """(calibration.json, {module: (mean_abs, amax)}) checked against the model.
+
+    Every amax must be finite and positive (it becomes a scale).
+    """
+    calib = Path(calib)
+    meta = read_calibration(calib, model_fingerprint, allow_other_weights)
+    sal = SafetensorsFiles([calib / "salience.safetensors"])
     missing = [m for g in groups for m in g.modules if f"{m}.mean_abs" not in sal or f"{m}.amax" not in sal]
     if missing:
         more = f" and {len(missing) - 2} more" if len(missing) > 2 else ""
@@ -217,6 +100,14 @@ def load_calibration(
                 )
             stats[m] = (mean_abs, amax)
     return meta, stats
+
+
+def check_format_arg(fmt: str) -> registry.Format:
+    """The format named `fmt`, or a `UserError` listing the choices."""
+    try:
+        return registry.get(fmt)
+    except ValueError:
+        raise UserError(f"unknown format {fmt!r}: choose one of {', '.join(registry.FORMATS)}") from None
 
 
 def check_ratio_arg(ratio: float) -> float:
@@ -271,9 +162,9 @@ def check_plan_format(plan: dict, path: Path, fmt: str, rounding: str | None) ->
             f"plan {path} was made from {pf} scores but --format is {fmt}: pack with --format {pf}, "
             f"or calibrate with --format {fmt} and plan again"
         )
-    if fmt == "mxfp4" and pr != rounding:
+    if registry.get(fmt).has_rounding and pr != rounding:
         raise UserError(
-            f"plan {path} was made from MXFP4 scores with scale rounding {pr} but --mx-scale is {rounding}: "
+            f"plan {path} was made from {fmt.upper()} scores with scale rounding {pr} but --mx-scale is {rounding}: "
             f"pack with --mx-scale {pr}, or calibrate with --mx-scale {rounding} and plan again"
         )
 
@@ -296,7 +187,7 @@ class PackResult:
 def _copy_files(src: Path, dst: Path) -> list[str]:
     copied = []
     for p in sorted(src.iterdir()):
-        if not p.is_file() or p.name.startswith(".") or p.name in _OWN_FILES or p.name.endswith(_WEIGHT_SUFFIXES):
+        if not p.is_file() or p.name.startswith(".") or p.name in OWN_FILES or p.name.endswith(WEIGHT_SUFFIXES):
             continue
         shutil.copyfile(p, dst / p.name)
         with open(dst / p.name, "rb") as f:
@@ -314,13 +205,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 def pick_device(device: str) -> torch.device:
-    if device not in ("auto", "cpu", "cuda"):
-        raise UserError(f"unknown device {device!r}: choose auto, cpu or cuda")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked but no CUDA GPU is visible: use --device cpu or auto")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device)
+    """The quantization device for ``--device`` (checked by `modelio.parse_device`, as every command
+    does): ``auto`` is the first CUDA GPU when there is one, else the CPU."""
+    d = modelio.parse_device(device)
+    if d == "auto":
+        d = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(d)
 
 
 def source_dtype(shapes: dict[str, tuple[str, tuple[int, ...]]], modules: list[str], model_dir: Path) -> str:
@@ -356,8 +246,7 @@ def pack(
 ) -> PackResult:
     """Write the checkpoint directory of SPEC §7 to `out` (see the module docstring)."""
     t0 = time.perf_counter()
-    if fmt not in FORMATS:
-        raise UserError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    f = check_format_arg(fmt)
     try:
         rounding = ScaleRounding(mx_scale)
     except ValueError:
@@ -375,8 +264,12 @@ def pack(
     if cfg.get("quantization_config"):
         raise UserError(f"{model_dir} is already quantized ({cfg['quantization_config'].get('quant_method')}): pack needs a bf16/fp16 model")
     shapes = source.shapes()
-    groups = model_groups(shapes)
+    refuse_experts(shapes)
     fingerprint = modelio.fingerprint(model_dir)
+    # The quantized linears and their fused groups are the ones calibrate found on the loaded
+    # model (one rule), not re-derived from the headers.
+    recorded = read_calibration(Path(calib), fingerprint, allow_other_weights).get("groups")
+    groups = recorded_groups(recorded, shapes) if recorded else model_groups(shapes)
     calib_meta, stats = load_calibration(Path(calib), fingerprint, groups, allow_other_weights)
     ratios, plan_prov = load_ratios(
         groups, ratio, Path(plan) if plan is not None else None, fingerprint, fmt, rounding.value, allow_other_weights
@@ -404,7 +297,8 @@ def pack(
         "plan": plan_prov,
     }
     ignore = ["lm_head"]
-    qc = quantization_config(fmt, ignore, resserve_section(fmt, rounding.value, layout.groups, provenance), __version__)
+    qc = f.quantization_config(ignore, __version__)
+    qc["resserve"] = resserve_section(fmt, rounding.value, layout.groups, provenance)
     new_cfg = dict(cfg)
     new_cfg["quantization_config"] = qc
 
@@ -432,8 +326,8 @@ def pack(
         if side_shards:
             _fsync_write(tmp / SIDECAR_INDEX, dump_json(sw.index()))
         _copy_files(model_dir, tmp)
-        if fmt == "nvfp4":
-            _fsync_write(tmp / HF_QUANT_CONFIG, dump_json(nvfp4_hf_quant_config(ignore, __version__)))
+        for name, obj in f.extra_files(ignore, __version__).items():
+            _fsync_write(tmp / name, dump_json(obj))
         _fsync_write(tmp / "config.json", dump_json(new_cfg))
         _fsync_dir(tmp)
         old = None
@@ -471,7 +365,7 @@ def _stream(layout, source, stats, ratios, fmt, rounding, dev, mw, sw, progress)
     so at most two groups' weights are in memory."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from . import formats, nvfp4
+    from . import formats
     from .kext import extend_weight
     from .selection import select_mask
 
@@ -501,42 +395,41 @@ def _stream(layout, source, stats, ratios, fmt, rounding, dev, mw, sw, progress)
                 if i in next_group:
                     j = next_group[i]
                     pending[j] = pool.submit(load, layout.items[j][1])
-                _pack_group(g, weights, source, stats, ratios[g.name], fmt, rounding, dev, mw, sw, formats, nvfp4, extend_weight, select_mask)
+                _pack_group(g, weights, source, stats, ratios[g.name], fmt, rounding, dev, mw, sw, formats, extend_weight, select_mask)
                 del weights
                 bar.advance(group_bytes(g))
 
 
-def _pack_group(g, weights, source, stats, ratio, fmt, rounding, dev, mw, sw, formats, nvfp4, extend_weight, select_mask) -> None:
-    names = quant_tensor_names(fmt)
+def _pack_group(g, weights, source, stats, ratio, fmt, rounding, dev, mw, sw, formats, extend_weight, select_mask) -> None:
+    f = registry.get(fmt)
     amax_x = torch.stack([stats[m][1] for m in g.modules]).max()
     mask = select_mask(stats[g.modules[0]][0], ratio) if ratio > 0 else None
 
     def weight(m: str) -> torch.Tensor:
         return weights[m] if weights is not None else source.get(f"{m}.weight")
 
-    alpha = None
-    if fmt == "nvfp4":
-        # One weight_scale_2 for the fused group: the max over members of amax(W) / 2688.
-        alpha = nvfp4.group_global_scale(weight(m) for m in g.modules).to(dev)
+    # One tensor scale for the fused group (NVFP4's weight_scale_2), None without one.
+    alpha = f.weight_alpha(weight(m) for m in g.modules)
+    if alpha is not None:
+        alpha = alpha.to(dev)
         if not bool(torch.isfinite(alpha)):
-            raise UserError(f"{' / '.join(g.modules)}: the weights hold NaN or Inf values (weight_scale_2 {float(alpha)}): fix the source checkpoint")
+            raise UserError(
+                f"{' / '.join(g.modules)}: the weights hold NaN or Inf values ({f.tensor_scale_name} {float(alpha)}): fix the source checkpoint"
+            )
     else:
         for m in g.modules:
             lo, hi = torch.aminmax(weight(m))
             if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
                 raise UserError(f"{m}: the weight holds NaN or Inf values: fix the source checkpoint")
-    input_scale = nvfp4.global_scale(amax_x).reshape(())
+    input_scale = f.input_alpha(amax_x)
     for m in g.modules:
         w = weight(m).to(dev, non_blocking=True)
-        q = formats.quantize(w, fmt, alpha=alpha, rounding=rounding)
-        mw.write(f"{m}.{names[0]}", q.codes)
-        mw.write(f"{m}.{names[1]}", q.scales)
-        if fmt == "nvfp4":
-            mw.write(f"{m}.{names[2]}", q.global_scale.reshape(()).float())
-            mw.write(f"{m}.{names[3]}", input_scale.float())
+        q = formats.quantize(w, f, alpha=alpha, rounding=rounding)
+        for suffix, t in f.base_tensors(q, input_scale):
+            mw.write(f"{m}.{suffix}", t)
         if mask is not None:
             sw.write(f"{m}.resserve_mask", mask)
-            ext = extend_weight(w, mask.to(dev), ratio, fmt, rounding, alpha=alpha)
+            ext = extend_weight(w, mask.to(dev), ratio, f, rounding, alpha=alpha)
             if ext is not None:
                 sw.write(f"{m}.resserve_weight", ext.codes)
                 sw.write(f"{m}.resserve_weight_scale", ext.scales)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from fractions import Fraction
 from pathlib import Path

@@ -23,13 +23,12 @@ from .checkpoint import (
     dump_json,
     header_bytes,
     index_json,
-    nvfp4_hf_quant_config,
     parse_size,
     ST_METADATA,
 )
-from .constants import FORMATS
 from .errors import UserError
-from .pack import build_layout, load_ratios, model_groups
+from .layout import build_layout, model_groups
+from .pack import check_format_arg, load_ratios
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 _ST_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
@@ -104,8 +103,7 @@ def estimate(
     max_shard_size: str | int = "5GB",
 ) -> SizeReport:
     """Exact bytes `pack` writes for this config, format and ratio / plan (+ `other_bytes`)."""
-    if fmt not in FORMATS:
-        raise UserError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    f = check_format_arg(fmt)
     shapes = shapes_from_config(cfg)
     groups = model_groups(shapes)
     ratios, _ = load_ratios(groups, ratio, Path(plan) if plan is not None else None, None)
@@ -126,8 +124,7 @@ def estimate(
     meta = len(dump_json(index_json(MODEL_PREFIX, model_shards)))
     if side_shards:
         meta += len(dump_json(index_json(SIDECAR_PREFIX, side_shards)))
-    if fmt == "nvfp4":
-        meta += len(dump_json(nvfp4_hf_quant_config(["lm_head"], __version__)))
+    meta += sum(len(dump_json(obj)) for obj in f.extra_files(["lm_head"], __version__).values())
     classes["safetensors headers"] = headers
     classes["index / quant json"] = meta
     classes["config, tokenizer, other files"] = int(other_bytes)
@@ -136,11 +133,11 @@ def estimate(
 
 def other_files_bytes(model_dir: Path) -> int:
     """Bytes of the non-weight files `pack` copies from a model directory (config.json included)."""
-    from .pack import _OWN_FILES, _WEIGHT_SUFFIXES
+    from .layout import OWN_FILES, WEIGHT_SUFFIXES
 
     total = 0
     for p in sorted(Path(model_dir).iterdir()):
-        if p.is_file() and not p.name.startswith(".") and (p.name == "config.json" or p.name not in _OWN_FILES) and not p.name.endswith(_WEIGHT_SUFFIXES):
+        if p.is_file() and not p.name.startswith(".") and (p.name == "config.json" or p.name not in OWN_FILES) and not p.name.endswith(WEIGHT_SUFFIXES):
             total += p.stat().st_size
     return total
 

@@ -23,7 +23,6 @@ import pytest
 import torch
 from fixtures.tiny import make_calibration, make_scores
 
-from resserve_export import modelio
 from resserve_export.pack import pack
 from resserve_export.ui import LOG_SECONDS_ENV, TEST_STEP_DELAY_ENV
 

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from fixtures.tiny import make_calibration, make_model, make_scores
 from safetensors.torch import load_file, save_file
 

@@ -18,7 +18,7 @@ import torch
 from fixtures.tiny import make_calibration, make_model, plan_fields
 from safetensors.torch import load_file, save_file
 
-from resserve_export import checkpoint, modelio
+from resserve_export import checkpoint
 from resserve_export.cli import main
 from resserve_export.errors import UserError
 from resserve_export.pack import pack
@@ -218,3 +218,34 @@ def test_non_finite_weights_are_refused_with_the_layer(tiny, tmp_path, capsys, f
     out = tmp_path / "ck"
     argv = [*_argv(bad, calib, out, "--ratio", "0.25"), "--format", fmt, "--allow-other-weights"]
     _assert_user_error(argv, capsys, out, "up_proj", "NaN or Inf")
+
+
+@pytest.mark.parametrize("device, needle", [("tpu", "unknown --device 'tpu'"), ("cuda:0", "--device cuda:0")])
+def test_device_is_parsed_as_by_every_command(tiny, tmp_path, capsys, device, needle):
+    """pack takes the same --device values as calibrate and verify (auto, cpu, cuda, cuda:N)."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("checks the message for a machine without a CUDA GPU")
+    model, calib = tiny
+    out = tmp_path / "ck"
+    _assert_user_error([*_argv(model, calib, out, "--ratio", "0"), "--device", device], capsys, out, needle)
+
+
+def test_pack_takes_the_groups_calibrate_recorded(tiny, tmp_path):
+    """Which linears are quantized, and which share an input, is calibrate's decision (recorded in
+    calibration.json), not re-derived from the headers: unfused q/k/v stay three groups."""
+    model, calib = tiny
+    c = tmp_path / "c"
+    shutil.copytree(calib, c)
+    meta = json.loads((c / "calibration.json").read_text())
+    split = []
+    for g in meta["groups"]:
+        split += [[m] for m in g] if g[0].endswith("q_proj") else [g]
+    meta["groups"] = split
+    (c / "calibration.json").write_text(json.dumps(meta))
+    out = pack(model, c, tmp_path / "ck", "nvfp4", ratio=0.25, progress=False).out
+    records = json.loads((out / "config.json").read_text())["quantization_config"]["resserve"]["groups"]
+    assert sorted(r["members"] for r in records) == sorted(split)
+    meta["groups"][0] = ["model.layers.0.self_attn.no_such_proj"]
+    (c / "calibration.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="no_such_proj, which has no 2-D weight in this model"):
+        pack(model, c, tmp_path / "ck2", "nvfp4", ratio=0.25, progress=False)

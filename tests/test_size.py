@@ -11,7 +11,8 @@ from fixtures.tiny import group_list, make_calibration, make_model, plan_fields
 from resserve_export.checkpoint import Checkpoint
 from resserve_export.cli import main
 from resserve_export.errors import UserError
-from resserve_export.pack import build_layout, model_groups, pack
+from resserve_export.layout import build_layout, model_groups
+from resserve_export.pack import pack
 from resserve_export.size import estimate, shapes_from_config
 
 # Qwen3-8B's public architecture (config.json numbers).

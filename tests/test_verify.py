@@ -4,8 +4,6 @@ packed model, and one-line errors from the CLI."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pytest
 import torch
