@@ -115,6 +115,21 @@ class CalibConfig:
         return self
 
 
+@dataclass(frozen=True)
+class CalibrationResult:
+    """A written calibration directory; `record` is its calibration.json."""
+
+    path: Path
+    model: str
+    fingerprint: str
+    groups: list[tuple[str, ...]]
+    num_samples: int
+    num_tokens: int
+    scores: str  # grad | kl | none (scores.json exists unless none)
+    wall_time_s: float
+    record: dict
+
+
 def preset_names() -> list[str]:
     return sorted(p.name[: -len(".yaml")] for p in CONFIG_DIR.iterdir() if p.name.endswith(".yaml") and p.is_file())
 
@@ -423,7 +438,7 @@ def calibrate(
     overwrite: bool = False,
     show_progress: bool = True,
     on_batch: Callable[[int], None] | None = None,
-) -> Path:
+) -> CalibrationResult:
     """The whole command: resolve the model, sample the data, collect statistics, write ``out`` atomically."""
     from . import data, modelio
 
@@ -510,7 +525,11 @@ def calibrate(
         record["wall_time_s"] = round(time.perf_counter() - t0, 3)
         (tmp / "calibration.json").write_text(json.dumps(record, indent=2) + "\n")
 
-    return write_dir_atomic(out, write, overwrite)
+    path = write_dir_atomic(out, write, overwrite)
+    return CalibrationResult(
+        path, record["model"], fingerprint, [tuple(g) for g in record["groups"]], record["num_samples"], num_tokens,
+        config.scores, record["wall_time_s"], record,
+    )
 
 
 def _is_linear(m) -> bool:

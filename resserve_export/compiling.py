@@ -37,6 +37,11 @@ def _raise_limits() -> None:
 _RAISED_HERE = threading.local()
 
 
+def forget_raised_limits() -> None:
+    """After the limits were restored (`api.restoring_process_state`): raise them again on next use."""
+    _RAISED_HERE.done = False
+
+
 def _raise_limits_in_this_thread() -> None:
     """`_raise_limits` once per thread: Dynamo's config is thread-local since torch 2.12, the
     autograd engine's GPU threads included (where the grad scores' hooks call compiled graphs),

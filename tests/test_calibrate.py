@@ -95,7 +95,7 @@ def run(model: Path, out: Path, dataset: Path, **kw) -> Path:
     settings.update(kw)
     overwrite = settings.pop("overwrite", False)
     on_batch = settings.pop("on_batch", None)
-    return cal.calibrate(str(model), out, cal.CalibConfig(**settings), overwrite=overwrite, show_progress=False, on_batch=on_batch)
+    return cal.calibrate(str(model), out, cal.CalibConfig(**settings), overwrite=overwrite, show_progress=False, on_batch=on_batch).path
 
 
 def read(out: Path) -> tuple[dict, dict]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -66,26 +65,14 @@ def command(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
 ) -> None:
     """Collect per-channel mean |x| and amax of every quantized linear's input, and the planner's sensitivity scores."""
-    from .. import calibrate as cal
+    from .. import api
 
-    cfg = cal.make_config(
-        config,
-        dataset=dataset,
-        num_samples=num_samples,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        seed=seed,
-        device=device,
-        dtype=dtype,
-        scores=scores,
-        score_samples=score_samples,
-        score_precision=score_precision,
-        format=format,
-        mx_scale=mx_scale,
+    # Settings left at None take the preset's value (make_config drops them).
+    res = api.calibrate(
+        model, out, config=config, overwrite=overwrite, progress=not quiet, dataset=dataset, num_samples=num_samples,
+        seq_len=seq_len, batch_size=batch_size, seed=seed, device=device, dtype=dtype, scores=scores,
+        score_samples=score_samples, score_precision=score_precision, format=format, mx_scale=mx_scale,
     )
-    path = cal.calibrate(model, out, cfg, overwrite=overwrite, show_progress=not quiet)
-    rec = json.loads((path / "calibration.json").read_text())
     typer.echo(
-        f"wrote {path}: {len(rec['groups'])} groups, {rec['num_samples']} samples, "
-        f"{rec['num_tokens']} tokens in {rec['wall_time_s']:.1f} s"
+        f"wrote {res.path}: {len(res.groups)} groups, {res.num_samples} samples, {res.num_tokens} tokens in {res.wall_time_s:.1f} s"
     )

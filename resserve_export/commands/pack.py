@@ -18,7 +18,7 @@ def command(
     plan: Optional[Path] = typer.Option(None, "--plan", help="plan.json from `plan` (per-layer ratios)"),
     fmt: str = typer.Option("nvfp4", "--format", help=f"element format: {' | '.join(FORMATS)}"),
     mx_scale: str = typer.Option("ceil", "--mx-scale", help="MXFP4 scale rounding: ceil | floor | even"),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="largest safetensors shard, e.g. 5GB, 500MB"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out directory"),
     allow_other_weights: bool = typer.Option(
@@ -31,7 +31,7 @@ def command(
     """Write an FP4 checkpoint (plain part for stock vLLM + resserve sidecar) from calibration and a ratio or plan."""
     from rich.console import Console
 
-    from ..pack import pack
+    from ..api import pack
 
     res = pack(
         model,
@@ -45,6 +45,7 @@ def command(
         max_shard_size=max_shard_size,
         overwrite=overwrite,
         allow_other_weights=allow_other_weights,
+        progress=True,
     )
     Console(stderr=True).print(
         f"wrote {res.out} ({res.bytes_written / 2**30:.3f} GiB, {res.groups} groups, "

@@ -5,14 +5,10 @@ Pure optimisation over the scores stored by `calibrate --scores kl|grad`; no mod
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Optional
 
 import typer
-
-from ..errors import UserError
-from ..outputs import check_writable
 
 
 def command(
@@ -31,37 +27,20 @@ def command(
     ),
 ) -> None:
     """Plan per-layer residue ratios for a budget from stored sensitivity scores."""
-    from .. import plan as P
+    from .. import api
     from ..ui import console as make_console
-    from resserve_export.planners import SOLVERS
 
-    if solver not in SOLVERS:
-        raise UserError(f"unknown solver {solver!r}, available: {', '.join(SOLVERS)}")
-    if solver == "highs":
-        from resserve_export.planners.ilp import available
-
-        if not available("highs"):
-            raise UserError("the HiGHS solver needs the 'highspy' package: `pip install highspy`, or use --solver cbc")
-    P.check_budget(budget)
-    scores, calibration = P.read_scores(calib, allow_other_weights)
-    chosen = P.parse_ratios(ratios, P.scored_ratios(scores))
-    out = Path(out) if out is not None else Path(calib) / P.PLAN_FILE
-    if out.exists() and out.is_dir():
-        raise UserError(f"--out {out} is a directory: pass a file name such as {out / P.PLAN_FILE}")
-    check_writable(out)
-    t0 = time.perf_counter()
-    plan = P.build_plan(scores, budget, ratios=chosen, solver=solver, calibration=calibration)
-    solve_s = time.perf_counter() - t0
-    chart_path = P.write_plan(plan, out, with_chart=chart)
+    res = api.plan(calib, budget, ratios=ratios, solver=solver, out=out, chart=chart, allow_other_weights=allow_other_weights)
+    plan = res.data
     console = make_console(stderr=False, highlight=False)
     console.print(table(plan))
     n = sum(g["weight_count"] for g in plan["groups"])
     console.print(
         f"budget {plan['budget']:g} bits, achieved {plan['achieved_bits']:.4f} bits over {n:,} weights in "
         f"{len(plan['groups'])} groups; total {plan['method']} score {plan['objective']:.6g} "
-        f"({solver}, {solve_s:.2f} s)"
+        f"({solver}, {res.solve_seconds:.2f} s)"
     )
-    console.print(f"wrote {out}" + (f" and {chart_path}" if chart_path else ""))
+    console.print(f"wrote {res.path}" + (f" and {res.chart}" if res.chart else ""))
 
 
 def table(plan: dict):

@@ -26,13 +26,9 @@ def command(
     from ..ui import console
     from rich.table import Table
 
-    from ..size import estimate, load_config, other_files_bytes
+    from ..api import size
 
-    cfg, where = load_config(config)
-    other = tokenizer_bytes
-    if other is None:
-        other = other_files_bytes(where) if where is not None else 0
-    rep = estimate(cfg, fmt, ratio=ratio, plan=plan, other_bytes=other, max_shard_size=max_shard_size)
+    rep = size(config, fmt, ratio=ratio, plan=plan, other_bytes=tokenizer_bytes, max_shard_size=max_shard_size)
     if as_json:
         print(json.dumps(rep.as_dict(), indent=2, sort_keys=True))
         return

@@ -34,14 +34,14 @@ def command(
     """
     from rich.table import Table
 
+    from .. import api
     from ..ui import console, phases
-    from ..verify import verify
 
     with phases() as tick:
-        rep = verify(
+        rep = api.verify(
             ckpt, model, text=text, samples=samples, seq_len=seq_len, calib=calib, device=device,
             max_tokens=max_tokens, check_weights=check_weights, out=out, overwrite=overwrite, progress=tick,
-        )
+        ).report
     con = console()
     n = rep["nmse"]
     t = Table(title=f"linear-output NMSE vs FP32, pooled over {len(rep['layers'])} linears ({rep['format'].upper()})")
