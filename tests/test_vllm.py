@@ -2,7 +2,7 @@
 
 Each engine run is a subprocess of tests/vllm_scripts/engine.py in the vllm venv; the reference is
 the HF model with emulated FP4 linears (`EmulatedLinear`), built from the original weights and the
-calibration, not from the checkpoint (resserve_export.vllm_plugin.reference).
+calibration, not from the checkpoint (tests/vllm_scripts/reference.py).
 
 (a) plain NVFP4 and (b) plain MXFP4 checkpoints, served by vLLM's own ModelOpt / compressed-tensors
     methods (the plugin registers only its CPU kernels), generate the reference's greedy tokens,
@@ -29,7 +29,7 @@ add), SiLU-and-mul, final norm and linears exactly (vLLM's fused q|k|v and gate|
 separate ones bit for bit); only the CPU rotary op (a compiler-fused multiply-add) and the CPU
 attention kernel (FMA chains, a polynomial exp, a 16-lane sum) differ. With the HF rotary and SDPA
 attention, NVFP4 greedy tokens followed the engine for 27 of 32 only. So the fp32 references use
-``attention="vllm-cpu"`` (resserve_export.vllm_plugin.cpu_attention: our own pure-PyTorch model of
+``attention="vllm-cpu"`` (tests/vllm_scripts/cpu_attention.py: our own pure-PyTorch model of
 those two kernels) and the tests assert equality outright: all 32 greedy tokens, every prompt
 and held-out logprob (actual token and top 5) to LOGPROB_ATOL, held-out perplexity to PPL_RTOL (seen: 32 of 32
 tokens, logprobs within 3.5e-5 everywhere, perplexities equal to 3 decimals, for all three

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,10 @@ import torch
 from resserve_export.emulate import EmulatedLinear
 from resserve_export.formats import qdq
 from resserve_export.nvfp4 import global_scale
-from resserve_export.vllm_plugin.reference import VllmArithmeticLinear, emulate_model, vllm_nvfp4_qdq
+
+# The reference models of vLLM's arithmetic are test code (tests/vllm_scripts/), not the package.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "vllm_scripts"))
+from reference import VllmArithmeticLinear, emulate_model, vllm_nvfp4_qdq  # noqa: E402
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="checks the entry point without vLLM installed")
@@ -96,7 +100,7 @@ def _fp32_round(x) -> float:
 def test_cpu_attention_fma_is_correctly_rounded(gen):
     from fractions import Fraction
 
-    from resserve_export.vllm_plugin.cpu_attention import fma
+    from cpu_attention import fma
 
     a = torch.randn(2000, generator=gen) * 2.0 ** torch.randint(-8, 8, (2000,), generator=gen)
     b = torch.randn(2000, generator=gen)
@@ -119,7 +123,7 @@ def test_cpu_attention_exp_rotary_and_attention_are_close_to_exact(gen):
 
     import torch.nn.functional as F
 
-    from resserve_export.vllm_plugin.cpu_attention import attention, fast_exp, rotary
+    from cpu_attention import attention, fast_exp, rotary
 
     x = torch.linspace(-86.0, 0.0, 10001)  # (near ln FLT_MIN the kernel flushes to 0 early)
     assert float(((fast_exp(x) - x.double().exp()) / x.double().exp()).abs().max()) < 1e-6
@@ -140,7 +144,7 @@ def test_cpu_attention_exp_rotary_and_attention_are_close_to_exact(gen):
 def test_cpu_engine_attention_swaps_into_an_hf_llama_with_its_kv_cache(gen):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from resserve_export.vllm_plugin.cpu_attention import CpuEngineAttention, use_cpu_engine_attention
+    from cpu_attention import CpuEngineAttention, use_cpu_engine_attention
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -106,9 +105,9 @@ def reference(
     model_dir_: Path, calib: Path, fmt: str, ratio: float, *, arithmetic: str, decode_rows: int | None,
     dtype=torch.bfloat16, attention: str = "hf",
 ):
-    """The HF model with emulated linears (see resserve_export.vllm_plugin.reference)."""
+    """The HF model with emulated linears (see tests/vllm_scripts/reference.py)."""
     from resserve_export import modelio
-    from resserve_export.vllm_plugin.reference import emulate_model, load_salience
+    from reference import emulate_model, load_salience
 
     model = modelio.load_model(model_dir_, dtype=str(dtype).removeprefix("torch."))
     return emulate_model(

@@ -31,12 +31,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..emulate import EmulatedLinear
-from ..constants import F4_E2M1_MAX, F8_E4M3_MAX, NVFP4_BLOCK
-from ..formats import dequantize, quantize
-from ..fp4 import decode_e2m1, encode_e2m1
-from ..nvfp4 import global_scale
-from ..selection import select_mask
+from resserve_export import registry
+from resserve_export.emulate import EmulatedLinear, replace_linear
+from resserve_export.constants import F4_E2M1_MAX, F8_E4M3_MAX, NVFP4_BLOCK
+from resserve_export.formats import dequantize, quantize
+from resserve_export.fp4 import decode_e2m1, encode_e2m1
+from resserve_export.selection import select_mask
 
 ARITHMETICS = ("fp32", "vllm")
 ATTENTIONS = ("hf", "vllm-cpu")
@@ -70,10 +70,11 @@ class VllmArithmeticLinear(EmulatedLinear):
         x2 = x.reshape(-1, shape[-1])
         dt = x.dtype
         qw = self.qw
-        if qw.fmt == "nvfp4":
+        if registry.get(qw.fmt).has_tensor_scale:
+            # vLLM's emulation of a format with a static tensor scale (NVFP4) has its own order.
             xd = vllm_nvfp4_qdq(x2, self.input_alpha).to(dt)
         else:
-            xd = dequantize(quantize(x2.float(), "mxfp4", rounding=qw.rounding, backend="reference")).to(dt)
+            xd = dequantize(quantize(x2.float(), qw.fmt, rounding=qw.rounding, backend="reference")).to(dt)
         w = qw.w.to(dt)
         y = torch.matmul(xd, w.T)
         if self.bias is not None:
@@ -103,21 +104,20 @@ def emulate_model(
 ) -> nn.Module:
     """Replace every quantized linear of `model` in place; `ratios` is one ρ or ``{group name: ρ}``;
     ``attention="vllm-cpu"`` also swaps in the CPU engine's rotary / attention arithmetic."""
-    from ..groups import group_linears, linears_of
+    from resserve_export.groups import group_linears, linears_of
 
     if arithmetic not in ARITHMETICS:
         raise ValueError(f"unknown arithmetic {arithmetic!r}, choose one of {list(ARITHMETICS)}")
     if attention not in ATTENTIONS:
         raise ValueError(f"unknown attention {attention!r}, choose one of {list(ATTENTIONS)}")
+    f = registry.get(fmt)
     modules = dict(model.named_modules())
     for g in group_linears(linears_of(model)):
         ratio = ratios if isinstance(ratios, (int, float)) else ratios[g.name]
         if arithmetic == "vllm" and ratio != 0:
             raise ValueError("the 'vllm' arithmetic models stock vLLM, which serves plain W4A4 only")
         amax_x = torch.stack([salience[m][1] for m in g.modules]).max()
-        alpha = None
-        if fmt == "nvfp4":
-            alpha = global_scale(torch.stack([modules[m].weight.detach().abs().amax().float() for m in g.modules]).max())
+        alpha = f.weight_alpha(modules[m].weight.detach() for m in g.modules)  # the group's shared α, as `pack`'s
         mask = select_mask(salience[g.modules[0]][0], ratio) if ratio > 0 else None
         cls = VllmArithmeticLinear if arithmetic == "vllm" else EmulatedLinear
         for m in g.modules:
@@ -125,10 +125,9 @@ def emulate_model(
                 modules[m], fmt, input_amax=amax_x, ratio=ratio, mask=mask, weight_alpha=alpha,
                 rounding=rounding, decode_rows=decode_rows,
             )
-            parent, _, leaf = m.rpartition(".")
-            setattr(modules[parent] if parent else model, leaf, new)
+            replace_linear(model, m, new)
     if attention == "vllm-cpu":
-        from .cpu_attention import use_cpu_engine_attention
+        from cpu_attention import use_cpu_engine_attention
 
         use_cpu_engine_attention(model)
     return model
