@@ -34,15 +34,10 @@ RATIOS = (0.0, 0.125, 0.25, 0.5, 1.0)
 def __getattr__(name: str):
     """Values derived from `registry` on first use (it imports this module, so not at import time).
 
-    ``FORMATS``: the format names, for CLI help and messages. ``BLOCK``: ``{name: block size}``,
-    kept only while ``scores`` still imports it (ask ``registry.get(fmt).block`` instead).
+    ``FORMATS``: the format names, for CLI help and messages.
     """
     if name == "FORMATS":
         from .registry import FORMATS
 
         return tuple(FORMATS)
-    if name == "BLOCK":
-        from .registry import FORMATS
-
-        return {n: f.block for n, f in FORMATS.items()}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
