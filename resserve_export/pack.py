@@ -8,7 +8,7 @@ tensors stream to disk one at a time. Source tensors are read by offset (no mmap
 group (q/k/v, gate/up) is read member by member wherever its shards are, so the peak memory
 is one group's weights plus the runtime.
 
-Atomic: everything is built in a hidden sibling ``.CKPT.partial-<pid>`` directory, fsynced
+Atomic: everything is built in a hidden sibling ``.CKPT.tmp-<pid>-…`` directory, fsynced
 and renamed at the end; a later run removes partial directories of dead processes.
 """
 
@@ -43,7 +43,7 @@ from .errors import UserError
 from .groups import Group
 from .layout import OWN_FILES, WEIGHT_SUFFIXES, build_layout, model_groups, recorded_groups, refuse_experts
 from .mxfp4 import ScaleRounding
-from .outputs import check_out_dir, check_writable, clean_stale
+from .outputs import check_out_dir, check_writable, write_dir_atomic
 from .ui import Progress
 
 _GROUP_CACHE_BYTES = 1 << 30
@@ -196,14 +196,6 @@ def _copy_files(src: Path, dst: Path) -> list[str]:
     return copied
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def pick_device(device: str) -> torch.device:
     """The quantization device for ``--device`` (checked by `modelio.parse_device`, as every command
     does): ``auto`` is the first CUDA GPU when there is one, else the CPU."""
@@ -302,26 +294,19 @@ def pack(
     new_cfg = dict(cfg)
     new_cfg["quantization_config"] = qc
 
-    clean_stale(out)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
-    except OSError as e:
-        raise UserError(f"cannot write in {out.parent}: {e.strerror or e}; choose another --out") from None
-    mw = ShardedWriter(tmp, MODEL_PREFIX, model_shards)
-    sw = ShardedWriter(tmp, SIDECAR_PREFIX, side_shards)
     threads = torch.get_num_threads()
-    try:
-        if dev.type == "cpu":
-            # One intra-op thread: the compiled quantizer runs one short OpenMP region per chunk,
-            # and with several threads each region waits for the slowest one, which on a shared
-            # CPU can be descheduled (measured on 2 busy cores: 1 thread 0.14 s, 2 threads 0.5-5 s
-            # for a 9728x2560 bf16 weight). Reading the next group overlaps on another thread.
-            torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
-        _stream(layout, source, stats, ratios, fmt, rounding, dev, mw, sw, progress)
-        mw.close()
-        sw.close()
+
+    def write(tmp: Path) -> None:
+        mw = ShardedWriter(tmp, MODEL_PREFIX, model_shards)
+        sw = ShardedWriter(tmp, SIDECAR_PREFIX, side_shards)
+        try:
+            _stream(layout, source, stats, ratios, fmt, rounding, dev, mw, sw, progress)
+            mw.close()
+            sw.close()
+        except BaseException:
+            mw.abort()
+            sw.abort()
+            raise
         _fsync_write(tmp / MODEL_INDEX, dump_json(mw.index()))
         if side_shards:
             _fsync_write(tmp / SIDECAR_INDEX, dump_json(sw.index()))
@@ -329,30 +314,22 @@ def pack(
         for name, obj in f.extra_files(ignore, __version__).items():
             _fsync_write(tmp / name, dump_json(obj))
         _fsync_write(tmp / "config.json", dump_json(new_cfg))
-        _fsync_dir(tmp)
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-        os.replace(tmp, out)
-        _fsync_dir(out.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+
+    try:
+        if dev.type == "cpu":
+            # One intra-op thread: the compiled quantizer runs one short OpenMP region per chunk,
+            # and with several threads each region waits for the slowest one, which on a shared
+            # CPU can be descheduled (measured on 2 busy cores: 1 thread 0.14 s, 2 threads 0.5-5 s
+            # for a 9728x2560 bf16 weight). Reading the next group overlaps on another thread.
+            torch.set_num_threads(int(os.environ.get(THREADS_ENV, "1")))
+        write_dir_atomic(out, write, overwrite)
     except OSError as e:
-        mw.abort()
-        sw.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
         if e.errno == errno.ENOSPC:
             raise UserError(
                 f"no space left on the device while writing {out.name} (it needs about {need / 1e9:.2f} GB): "
                 "free space or choose another --out; nothing was written"
             ) from None
         raise UserError(f"writing {out} failed: {e.strerror or e}; nothing was written") from None
-    except BaseException:
-        mw.abort()
-        sw.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     finally:
         torch.set_num_threads(threads)
     written = sum(p.stat().st_size for p in out.iterdir() if p.is_file())

@@ -176,7 +176,7 @@ def test_sigkill_leaves_nothing_complete_and_rerun_succeeds(tiny, tmp_path):
         deadline = time.time() + 120
         partial = []
         while time.time() < deadline:
-            partial = [p for p in tmp_path.glob(".ck.partial-*") if list(p.glob("model-*.safetensors"))]
+            partial = [p for p in tmp_path.glob(".ck.tmp-*") if list(p.glob("model-*.safetensors"))]
             if partial:
                 break
             assert proc.poll() is None, "pack finished before it could be killed"
@@ -193,7 +193,7 @@ def test_sigkill_leaves_nothing_complete_and_rerun_succeeds(tiny, tmp_path):
     assert all(not (p / "config.json").exists() for p in partial)
     pack(model, calib, out, "nvfp4", ratio=0.25, progress=False)
     assert (out / "config.json").exists() and (out / "model.safetensors.index.json").exists()
-    assert not list(tmp_path.glob(".ck.partial-*"))  # the dead run's leftovers are cleaned
+    assert not list(tmp_path.glob(".ck.tmp-*"))  # the dead run's leftovers are cleaned
 
 
 def test_non_finite_or_zero_input_amax_is_refused_with_the_layer(tiny, tmp_path, capsys):
