@@ -2,9 +2,9 @@
 
 Every command that writes builds its output in a hidden sibling and renames it into place
 when complete, so an interrupted or failed run leaves no output behind. Hidden siblings carry
-the writing process's id (``.NAME.tmp-PID-…``, ``.NAME.offload-PID-…``, ``.NAME.partial-PID``,
-``.NAME.old-PID-…``); a later run for the same output removes those whose process is gone
-(a killed run cannot clean up after itself).
+the writing process's id (``.NAME.tmp-PID-…``, ``.NAME.offload-PID-…``, ``.NAME.old-PID-…``;
+``.NAME.partial-PID`` from packs of earlier versions); a later run for the same output removes
+those whose process is gone (a killed run cannot clean up after itself).
 """
 
 from __future__ import annotations
