@@ -110,12 +110,11 @@ def clean_stale(out: Path) -> list[Path]:
     return removed
 
 
-def temp_sibling(out: Path, kind: str, base: Path | None = None) -> Path:
-    """A new hidden directory ``.NAME.KIND-PID-…`` next to `out` (or in `base`)."""
+def temp_sibling(out: Path, kind: str) -> Path:
+    """A new hidden directory ``.NAME.KIND-PID-…`` next to `out`."""
     assert kind in _KINDS
     out = Path(out).absolute()
-    where = base if base is not None else out.parent
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.{kind}-{os.getpid()}-", dir=where))
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.{kind}-{os.getpid()}-", dir=out.parent))
 
 
 def write_dir_atomic(out: Path, write: Callable[[Path], None], overwrite: bool = False) -> Path:

@@ -36,7 +36,6 @@ from .checkpoint import (
     file_bytes,
     parse_size,
     resserve_section,
-    _fsync_write,
 )
 from .constants import RATIOS
 from .errors import UserError
@@ -189,9 +188,7 @@ def _copy_files(src: Path, dst: Path) -> list[str]:
     for p in sorted(src.iterdir()):
         if not p.is_file() or p.name.startswith(".") or p.name in OWN_FILES or p.name.endswith(WEIGHT_SUFFIXES):
             continue
-        shutil.copyfile(p, dst / p.name)
-        with open(dst / p.name, "rb") as f:
-            os.fsync(f.fileno())
+        shutil.copyfile(p, dst / p.name)  # fsynced with the rest by write_dir_atomic
         copied.append(p.name)
     return copied
 
@@ -307,13 +304,14 @@ def pack(
             mw.abort()
             sw.abort()
             raise
-        _fsync_write(tmp / MODEL_INDEX, dump_json(mw.index()))
+        # write_dir_atomic fsyncs every file of tmp before the rename.
+        (tmp / MODEL_INDEX).write_text(dump_json(mw.index()))
         if side_shards:
-            _fsync_write(tmp / SIDECAR_INDEX, dump_json(sw.index()))
+            (tmp / SIDECAR_INDEX).write_text(dump_json(sw.index()))
         _copy_files(model_dir, tmp)
         for name, obj in f.extra_files(ignore, __version__).items():
-            _fsync_write(tmp / name, dump_json(obj))
-        _fsync_write(tmp / "config.json", dump_json(new_cfg))
+            (tmp / name).write_text(dump_json(obj))
+        (tmp / "config.json").write_text(dump_json(new_cfg))
 
     try:
         if dev.type == "cpu":
