@@ -84,7 +84,7 @@ class Format:
         from .qtensor import FP4Tensor
 
         if scalar is None:
-            scalar = lambda t: t.float().reshape(())  # noqa: E731
+            scalar = _stored_scalar
         weight = get(f"{module}.{self.weight_name}")
         scales = self.as_scales(get(f"{module}.{self.scale_name}"))
         if not self.has_tensor_scale:
@@ -92,6 +92,11 @@ class Format:
         alpha = scalar(get(f"{module}.{self.tensor_scale_name}"))
         input_alpha = scalar(get(f"{module}.{self.input_scale_name}"))
         return FP4Tensor(self.name, weight, scales, alpha), input_alpha
+
+    def __reduce__(self):
+        # A format pickles as its registry name: vLLM's engine core is a spawned process that
+        # receives the quantization config (and the Format it holds) by pickle.
+        return get, (self.name,)
 
     def as_scales(self, raw: torch.Tensor) -> torch.Tensor:
         """Block scales from their raw bytes (uint8 as kernels and loaders hand them over)."""
@@ -141,6 +146,30 @@ class Format:
     def extra_files(self, ignore: list[str], version: str) -> dict[str, dict]:
         """Files besides config.json the format's loaders read: ``{file name: JSON}``."""
         return self._extra_files(list(ignore), version)
+
+
+def _stored_scalar(t: torch.Tensor) -> torch.Tensor:
+    return t.float().reshape(())
+
+
+def _nvfp4_quantize(blocks, alpha, rounding):
+    return nvfp4.quantize_blocks(blocks, alpha)
+
+
+def _nvfp4_dequantize(codes, scales, alpha):
+    return nvfp4.dequantize_blocks(codes, scales, alpha)
+
+
+def _mxfp4_quantize(blocks, alpha, rounding):
+    return mxfp4.quantize_blocks(blocks, rounding)
+
+
+def _mxfp4_dequantize(codes, scales, alpha):
+    return mxfp4.dequantize_blocks(codes, scales)
+
+
+def _no_files(ignore: list[str], version: str) -> dict[str, dict]:
+    return {}
 
 
 def _nvfp4_config(ignore: list[str], version: str) -> dict:
@@ -211,8 +240,8 @@ NVFP4 = Format(
     stock_method="modelopt_fp4",
     stock_kernel="nvfp4",
     kernel_code=0,
-    _quantize_blocks=lambda blocks, alpha, rounding: nvfp4.quantize_blocks(blocks, alpha),
-    _dequantize_blocks=lambda codes, scales, alpha: nvfp4.dequantize_blocks(codes, scales, alpha),
+    _quantize_blocks=_nvfp4_quantize,
+    _dequantize_blocks=_nvfp4_dequantize,
     _config=_nvfp4_config,
     _extra_files=_nvfp4_files,
 )
@@ -232,10 +261,10 @@ MXFP4 = Format(
     stock_method="compressed-tensors",
     stock_kernel="mxfp4",
     kernel_code=1,
-    _quantize_blocks=lambda blocks, alpha, rounding: mxfp4.quantize_blocks(blocks, rounding),
-    _dequantize_blocks=lambda codes, scales, alpha: mxfp4.dequantize_blocks(codes, scales),
+    _quantize_blocks=_mxfp4_quantize,
+    _dequantize_blocks=_mxfp4_dequantize,
     _config=_mxfp4_config,
-    _extra_files=lambda ignore, version: {},
+    _extra_files=_no_files,
 )
 
 FORMATS: dict[str, Format] = {f.name: f for f in (NVFP4, MXFP4)}
