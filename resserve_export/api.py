@@ -253,6 +253,7 @@ def size(
     plan: str | os.PathLike | None = None,
     other_bytes: int | None = None,
     max_shard_size: str | int = "5GB",
+    kv_cache: str = "none",
 ) -> SizeReport:
     """Bytes `pack` would write for a model, from its config.json (or directory) alone.
 
@@ -263,7 +264,7 @@ def size(
     cfg, where = load_config(config)
     if other_bytes is None:
         other_bytes = other_files_bytes(where) if where is not None else 0
-    return estimate(cfg, fmt, ratio=ratio, plan=plan, other_bytes=other_bytes, max_shard_size=max_shard_size)
+    return estimate(cfg, fmt, ratio=ratio, plan=plan, other_bytes=other_bytes, max_shard_size=max_shard_size, kv_cache=kv_cache)
 
 
 __all__ = ["calibrate", "plan", "pack", "verify", "size", "CalibrationResult", "PlanResult", "PackResult", "VerifyResult", "SizeReport", "restoring_process_state"]

@@ -376,8 +376,13 @@ def input_device(model):
     return torch.device("cpu") if dev.type == "meta" else dev
 
 
-def collect(model, batches: list[dict], groups: list[Group], progress: Callable[[int, int], None] | None = None) -> tuple[dict, int]:
-    """Run ``batches`` through ``model`` with the statistics hooks. Returns (stats, num_tokens)."""
+def collect(
+    model, batches: list[dict], groups: list[Group], progress: Callable[[int, int], None] | None = None, kv=None
+) -> tuple[dict, int]:
+    """Run ``batches`` through ``model`` with the statistics hooks. Returns (stats, num_tokens).
+
+    `kv`: a `kvcache.KVCollector` that also sees every batch (through the KV cache the forward
+    pass then fills)."""
     import torch
 
     dev = input_device(model)
@@ -385,8 +390,14 @@ def collect(model, batches: list[dict], groups: list[Group], progress: Callable[
     with StatsCollector(model, groups) as col, torch.inference_mode():
         for b in batches:
             col.set_mask(b["attention_mask"])
-            model(input_ids=b["input_ids"].to(dev), attention_mask=b["attention_mask"].to(dev), **kw)
+            extra = {}
+            if kv is not None:
+                kv.set_mask(b["attention_mask"])
+                extra = kv.forward_kwargs()
+            model(input_ids=b["input_ids"].to(dev), attention_mask=b["attention_mask"].to(dev), **{**kw, **extra})
             col.end_batch()
+            if kv is not None:
+                kv.end_batch()
             if progress is not None:
                 progress(int(b["input_ids"].shape[0]), int(b["attention_mask"].sum()))
         return col.result(), col.num_tokens
@@ -440,7 +451,7 @@ def calibrate(
     on_batch: Callable[[int], None] | None = None,
 ) -> CalibrationResult:
     """The whole command: resolve the model, sample the data, collect statistics, write ``out`` atomically."""
-    from . import data, modelio
+    from . import data, kvcache, modelio
 
     t0 = time.perf_counter()
     config.validate()
@@ -483,7 +494,9 @@ def calibrate(
                 if on_batch is not None:
                     on_batch(done[0])
 
-            stats, num_tokens = collect(net, batches, groups, step)
+            kv = kvcache.KVCollector(net)
+            stats, num_tokens = collect(net, batches, groups, step, kv=kv)
+            kv_stats = kv.result()
 
         scores = None
         if config.scores != "none":
@@ -515,11 +528,18 @@ def calibrate(
         "scores": config.scores,
         "versions": versions(),
         "groups": [list(g.modules) for g in groups],
+        "kv_cache": (
+            {"file": kvcache.FILE, "point": kvcache.POINT, "layers": len(kv_stats)}
+            if kv_stats is not None
+            else {"file": None, "why_not": kv.problem}
+        ),
         "config": asdict(config),
     }
 
     def write(tmp: Path) -> None:
         save_stats(stats, tmp / "salience.safetensors")
+        if kv_stats is not None:
+            kvcache.save(kv_stats, tmp / kvcache.FILE)
         if scores is not None:
             (tmp / "scores.json").write_text(json.dumps(scores, indent=2) + "\n")
         record["wall_time_s"] = round(time.perf_counter() - t0, 3)

@@ -355,11 +355,12 @@ class SafetensorsFiles:
 
 
 def resserve_section(
-    fmt: str, rounding: str, groups: list[dict], provenance: dict
+    fmt: str, rounding: str, groups: list[dict], provenance: dict, kv_cache: str = "none"
 ) -> dict:
-    """``quantization_config.resserve`` (SPEC §7). `groups`: dicts with members, ratio, mode, K, K_E."""
+    """``quantization_config.resserve`` (SPEC §7). `groups`: dicts with members, ratio, mode, K, K_E;
+    `kv_cache` is recorded (with the attention modules' scale names) when it is not ``none``."""
     f = registry.get(fmt)
-    return {
+    section = {
         "format_version": FORMAT_VERSION,
         "element_format": f.name,
         "selection_group": SELECTION_GROUP,
@@ -369,6 +370,9 @@ def resserve_section(
         "groups": groups,
         "provenance": provenance,
     }
+    if kv_cache != "none":
+        section["kv_cache"] = kv_cache
+    return section
 
 
 # --------------------------------------------------------------------------------------------
@@ -429,6 +433,7 @@ class Checkpoint:
             ) from None
         self.rounding: str = self.resserve.get("mx_scale_rounding") or "ceil"
         self.groups: list[dict] = self.resserve["groups"]
+        self.kv_cache: str = self.resserve.get("kv_cache", "none")
         self._group_of = {m: g for g in self.groups for m in g["members"]}
         self.model = SafetensorsFiles(self._indexed(MODEL_INDEX))
         side = self.dir / SIDECAR_INDEX
@@ -447,6 +452,26 @@ class Checkpoint:
     @property
     def modules(self) -> list[str]:
         return [m for g in self.groups for m in g["members"]]
+
+    def kv_scales(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``{attention module: (k_scale, v_scale)}`` (0-d float32) of a checkpoint with KV-cache
+        scales, else empty."""
+        from . import kvcache
+
+        if self.kv_cache == "none":
+            return {}
+        out = {}
+        suffix_k = kvcache.scale_names("", self.format.kv_style)[0]
+        for name in self.model.entries:
+            if name.endswith(suffix_k):
+                attn = name[: -len(suffix_k)]
+                k, v = kvcache.scale_names(attn, self.format.kv_style)
+                if v not in self.model:
+                    raise UserError(f"{self.dir} has {k} but no {v}: the checkpoint is incomplete, re-run pack")
+                out[attn] = (self.model.get(k).float().reshape(()), self.model.get(v).float().reshape(()))
+        if not out:
+            raise UserError(f"{self.dir} declares a {self.kv_cache} KV cache but holds no KV-cache scales: re-run pack")
+        return {a: out[a] for a in sorted(out, key=natural_key)}
 
     def read(self, module: str) -> PackedLinear:
         g = self._group_of.get(module)

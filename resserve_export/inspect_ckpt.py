@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from . import kvcache
 from .checkpoint import Checkpoint
 
 
@@ -16,10 +17,12 @@ def inspect_checkpoint(ckpt_dir: str | os.PathLike) -> dict:
     """
     ck = Checkpoint(ckpt_dir)
     model, side = ck.model.entries, ck.sidecar.entries
+    kv = ck.kv_scales()
+    kv_names = {n for a in kv for n in kvcache.scale_names(a, ck.format.kv_style)}
 
     def owned(entries, module):
         prefix = module + "."
-        return sum(e.nbytes for n, e in entries.items() if n.startswith(prefix) and "." not in n[len(prefix):])
+        return sum(e.nbytes for n, e in entries.items() if n.startswith(prefix) and "." not in n[len(prefix):] and n not in kv_names)
 
     rows = []
     for g in ck.groups:
@@ -27,6 +30,7 @@ def inspect_checkpoint(ckpt_dir: str | os.PathLike) -> dict:
         ext = sum(owned(side, m) for m in g["members"])
         rows.append({**g, "base_bytes": base, "extension_bytes": ext})
     quantized = sum(r["base_bytes"] for r in rows)
+    kv_bytes = sum(model[n].nbytes for n in kv_names)
     model_bytes = sum(e.nbytes for e in model.values())
     side_bytes = sum(e.nbytes for e in side.values())
     files = sum(p.stat().st_size for p in Path(ck.dir).iterdir() if p.is_file())
@@ -43,11 +47,16 @@ def inspect_checkpoint(ckpt_dir: str | os.PathLike) -> dict:
         "modes": modes,
         "bytes": {
             "quantized_linears": quantized,
-            "unquantized": model_bytes - quantized,
+            "unquantized": model_bytes - quantized - kv_bytes,
+            "kv_cache_scales": kv_bytes,
             "sidecar": side_bytes,
             "all_files": files,
         },
         "extension_share": side_bytes / (model_bytes + side_bytes) if model_bytes + side_bytes else 0.0,
+        "kv_cache": {
+            "format": ck.kv_cache,
+            "layers": [{"module": a, "k_scale": float(k), "v_scale": float(v)} for a, (k, v) in kv.items()],
+        },
         "provenance": ck.resserve.get("provenance"),
     }
 

@@ -28,7 +28,7 @@ class Layout:
     """Every output tensor in write order, the work items producing them, and group records."""
 
     fmt: str
-    items: list[tuple[str, object]]  # ("copy", name) | ("group", Group)
+    items: list[tuple[str, object]]  # ("copy", name) | ("group", Group) | ("kv", name)
     model: list[TensorSpec]
     sidecar: list[TensorSpec]
     groups: list[dict]
@@ -49,6 +49,28 @@ def _member_specs(fmt: str, module: str, N: int, K: int, ratio: float) -> tuple[
         side.append(TensorSpec(f"{module}.resserve_weight", "U8", (N, K_E // 2)))
         side.append(TensorSpec(f"{module}.resserve_weight_scale", f.scale_st_dtype, (N, K_E // f.block)))
     return plain, side
+
+
+def kv_specs(shapes: dict[str, tuple[str, tuple[int, ...]]], fmt: str, kv_cache: str) -> dict[str, TensorSpec]:
+    """The KV-cache scale tensors of a checkpoint in format `fmt` with KV-cache format `kv_cache`
+    (none for ``none``): a k and a v scale per attention module of the headers."""
+    from . import kvcache
+
+    if kvcache.check_kind(kv_cache) == "none":
+        return {}
+    f = registry.get(fmt)
+    try:
+        f.check_kv(kv_cache)
+    except ValueError as e:
+        raise UserError(f"{e}: choose --kv-cache {' or '.join(f.kv_kinds)}, or --format nvfp4") from None
+    attention = kvcache.attention_modules(shapes)
+    if not attention:
+        raise UserError("the model has no attention layers with k_proj / v_proj: it cannot carry KV-cache scales; use --kv-cache none")
+    out = {}
+    for a in attention:
+        for name in kvcache.scale_names(a, f.kv_style):
+            out[name] = TensorSpec(name, "F32", kvcache.scale_shape(f.kv_style))
+    return out
 
 
 def refuse_experts(shapes: dict[str, tuple[str, tuple[int, ...]]]) -> None:
@@ -90,11 +112,14 @@ def build_layout(
     ratios: dict[str, float],
     fmt: str,
     tied: bool,
+    kv_cache: str = "none",
 ) -> Layout:
     """The output layout for source tensors `shapes` (name -> (dtype, shape)).
 
-    Order is canonical (natural sort of source names, a group's outputs at its first member), so
-    the same inputs always give the same files. `ratios` maps ``group.name`` to ρ.
+    Order is canonical (natural sort of source and KV-scale names, a group's outputs at its
+    first member), so the same inputs always give the same files. `ratios` maps ``group.name``
+    to ρ. With a `kv_cache` format other than ``none`` every attention module gets its k / v
+    scales, named and shaped as the format's loaders read them.
     """
     b = registry.get(fmt).block
     member_of = {m: g for g in groups for m in g.modules}
@@ -104,9 +129,15 @@ def build_layout(
     cls: dict[str, str] = {}
     records: list[dict] = []
     done: set[str] = set()
-    names = sorted(shapes, key=natural_key)
+    kv = kv_specs(shapes, fmt, kv_cache)
+    names = sorted([*shapes, *kv], key=natural_key)
     has_embed = any(n.endswith("embed_tokens.weight") for n in names)
     for name in names:
+        if name in kv:
+            items.append(("kv", name))
+            model.append(kv[name])
+            cls[name] = "kv_scale"
+            continue
         dtype, shape = shapes[name]
         if tied and name == "lm_head.weight" and has_embed:
             continue  # tied embeddings are stored once
@@ -145,4 +176,4 @@ def build_layout(
     return Layout(fmt, items, model, sidecar, records, cls)
 
 
-__all__ = ["Layout", "build_layout", "model_groups", "recorded_groups", "refuse_experts", "OWN_FILES", "WEIGHT_SUFFIXES"]
+__all__ = ["Layout", "build_layout", "kv_specs", "model_groups", "recorded_groups", "refuse_experts", "OWN_FILES", "WEIGHT_SUFFIXES"]

@@ -232,10 +232,23 @@ def pack(
     overwrite: bool = False,
     progress: bool = True,
     allow_other_weights: bool = False,
+    kv_cache: str = "none",
 ) -> PackResult:
-    """Write the checkpoint directory of SPEC §7 to `out` (see the module docstring)."""
+    """Write the checkpoint directory of SPEC §7 to `out` (see the module docstring).
+
+    `kv_cache` (``none``, ``fp8``, ``nvfp4``): also write each attention layer's k / v scales
+    from the calibration's KV-cache statistics (`kvcache`), and declare the KV-cache format in
+    the quantization config."""
+    from . import kvcache
+
     t0 = time.perf_counter()
     f = check_format_arg(fmt)
+    kvcache.check_kind(kv_cache)
+    if kv_cache != "none" and kv_cache not in f.kv_kinds:
+        raise UserError(
+            f"{fmt} checkpoints carry KV-cache scales for {', '.join(f.kv_kinds)} only (what their vLLM loader reads): "
+            f"choose --kv-cache {' or '.join(f.kv_kinds)}, or --format nvfp4"
+        )
     try:
         rounding = ScaleRounding(mx_scale)
     except ValueError:
@@ -266,7 +279,8 @@ def pack(
     # Drop lm_head only when the config says explicitly that it is tied: an extra copy costs
     # bytes, a missing one breaks the model.
     tied = cfg.get("tie_word_embeddings") is True
-    layout = build_layout(shapes, groups, ratios, fmt, tied)
+    layout = build_layout(shapes, groups, ratios, fmt, tied, kv_cache)
+    kv_tensors = _kv_tensors(Path(calib), shapes, f, kv_cache)
     model_shards, side_shards = layout.shards(max_bytes)
 
     need = file_bytes(model_shards) + file_bytes(side_shards)
@@ -286,8 +300,8 @@ def pack(
         "plan": plan_prov,
     }
     ignore = ["lm_head"]
-    qc = f.quantization_config(ignore, __version__)
-    qc["resserve"] = resserve_section(fmt, rounding.value, layout.groups, provenance)
+    qc = f.quantization_config(ignore, __version__, kv_cache)
+    qc["resserve"] = resserve_section(fmt, rounding.value, layout.groups, provenance, kv_cache)
     new_cfg = dict(cfg)
     new_cfg["quantization_config"] = qc
 
@@ -297,7 +311,7 @@ def pack(
         mw = ShardedWriter(tmp, MODEL_PREFIX, model_shards)
         sw = ShardedWriter(tmp, SIDECAR_PREFIX, side_shards)
         try:
-            _stream(layout, source, stats, ratios, fmt, rounding, dev, mw, sw, progress)
+            _stream(layout, source, stats, ratios, fmt, rounding, dev, mw, sw, progress, kv_tensors)
             mw.close()
             sw.close()
         except BaseException:
@@ -309,7 +323,7 @@ def pack(
         if side_shards:
             (tmp / SIDECAR_INDEX).write_text(dump_json(sw.index()))
         _copy_files(model_dir, tmp)
-        for name, obj in f.extra_files(ignore, __version__).items():
+        for name, obj in f.extra_files(ignore, __version__, kv_cache).items():
             (tmp / name).write_text(dump_json(obj))
         (tmp / "config.json").write_text(dump_json(new_cfg))
 
@@ -334,7 +348,24 @@ def pack(
     return PackResult(out, len(model_shards), len(side_shards), written, time.perf_counter() - t0, len(groups))
 
 
-def _stream(layout, source, stats, ratios, fmt, rounding, dev, mw, sw, progress) -> None:
+def _kv_tensors(calib: Path, shapes, f: registry.Format, kv_cache: str) -> dict[str, torch.Tensor]:
+    """{name: stored scale} of the KV-cache scales (empty for ``none``): amax / 448 of the
+    calibration's per-layer key and value amax (see `kvcache`)."""
+    from . import kvcache
+
+    if kv_cache == "none":
+        return {}
+    attention = kvcache.attention_modules(shapes)
+    amax = kvcache.load(calib, attention)
+    shape = kvcache.scale_shape(f.kv_style)
+    out = {}
+    for a in attention:
+        for name, x in zip(kvcache.scale_names(a, f.kv_style), amax[a]):
+            out[name] = kvcache.scale_from_amax(x).reshape(shape).contiguous()
+    return out
+
+
+def _stream(layout, source, stats, ratios, fmt, rounding, dev, mw, sw, progress, kv_tensors=None) -> None:
     """Produce every output tensor in layout order. The next group's weights are read by a
     background thread while the current group is quantized (reads and kernels release the GIL),
     so at most two groups' weights are in memory."""
@@ -352,7 +383,8 @@ def _stream(layout, source, stats, ratios, fmt, rounding, dev, mw, sw, progress)
             return None  # too large to hold: _pack_group reads members one at a time
         return {m: source.get(f"{m}.weight") for m in g.modules}
 
-    total_bytes = sum(source.entries[n].nbytes if kind == "copy" else group_bytes(n) for kind, n in layout.items)
+    sizes = {"copy": lambda n: source.entries[n].nbytes, "group": group_bytes, "kv": lambda n: 0}
+    total_bytes = sum(sizes[kind](n) for kind, n in layout.items)
     group_at = [i for i, (kind, _) in enumerate(layout.items) if kind == "group"]
     next_group = {a: b for a, b in zip(group_at, group_at[1:])}
     with Progress("pack", total_bytes, unit="bytes", enabled=progress) as bar, ThreadPoolExecutor(1, thread_name_prefix="pack-read") as pool:
@@ -363,6 +395,8 @@ def _stream(layout, source, stats, ratios, fmt, rounding, dev, mw, sw, progress)
                 bar.describe(f"{i + 1}/{n} {item[-40:]}")
                 mw.write_raw(item, source.iter_bytes(item))
                 bar.advance(source.entries[item].nbytes)
+            elif kind == "kv":
+                mw.write(item, kv_tensors[item])
             else:
                 g: Group = item
                 bar.describe(f"{i + 1}/{n} {g.modules[0][-40:]}")

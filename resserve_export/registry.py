@@ -49,10 +49,12 @@ class Format:
     stock_method: str  # vLLM's --quantization that serves the plain part
     stock_kernel: str  # vLLM's linear-kernel family (register_linear_kernel) of the plain part
     kernel_code: int  # the format argument of the fused CUDA kernel (kernels/quantize_extend.cu)
+    kv_kinds: tuple[str, ...]  # KV-cache formats whose scales its loaders read (see kvcache.py)
+    kv_style: str  # naming and shape of those scales: "modelopt" or "compressed-tensors"
     _quantize_blocks: Callable
     _dequantize_blocks: Callable
-    _config: Callable[[list[str], str], dict]
-    _extra_files: Callable[[list[str], str], dict]
+    _config: Callable[[list[str], str, str], dict]
+    _extra_files: Callable[[list[str], str, str], dict]
 
     # ------------------------------------------------------------------ tensors and names
 
@@ -139,13 +141,22 @@ class Format:
 
     # ------------------------------------------------------------------ configs
 
-    def quantization_config(self, ignore: list[str], version: str) -> dict:
-        """config.json ``quantization_config`` for stock vLLM (without our ``resserve`` section)."""
-        return self._config(list(ignore), version)
+    def quantization_config(self, ignore: list[str], version: str, kv_cache: str = "none") -> dict:
+        """config.json ``quantization_config`` for stock vLLM (without our ``resserve`` section);
+        `kv_cache` is the KV-cache format whose scales the checkpoint carries (``none``, or one of
+        `kv_kinds`)."""
+        self.check_kv(kv_cache)
+        return self._config(list(ignore), version, kv_cache)
 
-    def extra_files(self, ignore: list[str], version: str) -> dict[str, dict]:
+    def extra_files(self, ignore: list[str], version: str, kv_cache: str = "none") -> dict[str, dict]:
         """Files besides config.json the format's loaders read: ``{file name: JSON}``."""
-        return self._extra_files(list(ignore), version)
+        self.check_kv(kv_cache)
+        return self._extra_files(list(ignore), version, kv_cache)
+
+    def check_kv(self, kv_cache: str) -> None:
+        """ValueError unless the format's loaders read scales of KV-cache format `kv_cache`."""
+        if kv_cache != "none" and kv_cache not in self.kv_kinds:
+            raise ValueError(f"{self.name} checkpoints carry KV-cache scales for {', '.join(self.kv_kinds)} only, not {kv_cache}")
 
 
 def _stored_scalar(t: torch.Tensor) -> torch.Tensor:
@@ -168,11 +179,23 @@ def _mxfp4_dequantize(codes, scales, alpha):
     return mxfp4.dequantize_blocks(codes, scales)
 
 
-def _no_files(ignore: list[str], version: str) -> dict[str, dict]:
+def _no_files(ignore: list[str], version: str, kv_cache: str) -> dict[str, dict]:
     return {}
 
 
-def _nvfp4_config(ignore: list[str], version: str) -> dict:
+# ModelOpt's names of the KV-cache formats (hf_quant_config.json's kv_cache_quant_algo).
+_MODELOPT_KV = {"none": None, "fp8": "FP8", "nvfp4": "NVFP4"}
+
+
+def _modelopt_kv_scheme(kv_cache: str):
+    """config.json's ``kv_cache_scheme`` as ModelOpt's export converts ``kv_cache_quant_algo``:
+    FP8 becomes a compressed-tensors-style scheme, other algorithms stay their name."""
+    if kv_cache == "fp8":
+        return {"dynamic": False, "num_bits": 8, "type": "float"}
+    return _MODELOPT_KV[kv_cache]
+
+
+def _nvfp4_config(ignore: list[str], version: str, kv_cache: str) -> dict:
     """What ModelOpt 0.47's export writes (``quant_method: modelopt``, ``quant_algo: NVFP4``, its
     compressed-tensors-style ``config_groups``), plus ``group_size``."""
     g = NVFP4_BLOCK
@@ -180,7 +203,7 @@ def _nvfp4_config(ignore: list[str], version: str) -> dict:
         "quant_method": "modelopt",
         "quant_algo": "NVFP4",
         "group_size": g,
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": _modelopt_kv_scheme(kv_cache),
         "ignore": ignore,
         "producer": {"name": PRODUCER, "version": version},
         "config_groups": {
@@ -193,25 +216,29 @@ def _nvfp4_config(ignore: list[str], version: str) -> dict:
     }
 
 
-def _nvfp4_files(ignore: list[str], version: str) -> dict[str, dict]:
+def _nvfp4_files(ignore: list[str], version: str, kv_cache: str) -> dict[str, dict]:
     """``hf_quant_config.json`` of ModelOpt's unified HF export."""
     return {
         HF_QUANT_CONFIG: {
             "producer": {"name": PRODUCER, "version": version},
-            "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": NVFP4_BLOCK, "exclude_modules": ignore},
+            "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": _MODELOPT_KV[kv_cache], "group_size": NVFP4_BLOCK, "exclude_modules": ignore},
         }
     }
 
 
-def _mxfp4_config(ignore: list[str], version: str) -> dict:
+def _mxfp4_config(ignore: list[str], version: str, kv_cache: str) -> dict:
     """compressed-tensors ``mxfp4-pack-quantized``: 4-bit float weights, strategy group, group size
-    32, symmetric; activations the same, dynamic."""
+    32, symmetric; activations the same, dynamic. An FP8 KV cache is compressed-tensors'
+    ``kv_cache_scheme`` (8-bit float, one static symmetric scale per tensor)."""
     args = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": MXFP4_BLOCK, "symmetric": True}
+    kv = None
+    if kv_cache == "fp8":
+        kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
     return {
         "quant_method": "compressed-tensors",
         "format": "mxfp4-pack-quantized",
         "quantization_status": "compressed",
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": kv,
         "ignore": ignore,
         "config_groups": {
             "group_0": {
@@ -240,6 +267,8 @@ NVFP4 = Format(
     stock_method="modelopt_fp4",
     stock_kernel="nvfp4",
     kernel_code=0,
+    kv_kinds=("fp8", "nvfp4"),
+    kv_style="modelopt",
     _quantize_blocks=_nvfp4_quantize,
     _dequantize_blocks=_nvfp4_dequantize,
     _config=_nvfp4_config,
@@ -261,6 +290,9 @@ MXFP4 = Format(
     stock_method="compressed-tensors",
     stock_kernel="mxfp4",
     kernel_code=1,
+    # vLLM's compressed-tensors loader accepts an 8-bit float KV scheme only.
+    kv_kinds=("fp8",),
+    kv_style="compressed-tensors",
     _quantize_blocks=_mxfp4_quantize,
     _dequantize_blocks=_mxfp4_dequantize,
     _config=_mxfp4_config,

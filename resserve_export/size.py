@@ -101,16 +101,20 @@ def estimate(
     plan: str | os.PathLike | None = None,
     other_bytes: int = 0,
     max_shard_size: str | int = "5GB",
+    kv_cache: str = "none",
 ) -> SizeReport:
-    """Exact bytes `pack` writes for this config, format and ratio / plan (+ `other_bytes`)."""
+    """Exact bytes `pack` writes for this config, format and ratio / plan (+ `other_bytes`),
+    with the KV-cache scales of `kv_cache` (``none``, ``fp8``, ``nvfp4``) as `pack --kv-cache`."""
     f = check_format_arg(fmt)
     shapes = shapes_from_config(cfg)
     groups = model_groups(shapes)
     ratios, _ = load_ratios(groups, ratio, Path(plan) if plan is not None else None, None)
-    layout = build_layout(shapes, groups, ratios, fmt, cfg.get("tie_word_embeddings") is True)
+    layout = build_layout(shapes, groups, ratios, fmt, cfg.get("tie_word_embeddings") is True, kv_cache)
     max_bytes = parse_size(max_shard_size)
     model_shards, side_shards = layout.shards(max_bytes)
     classes = {"embeddings": 0, "norms & biases": 0, "quantized linears": 0, "extension": 0, "masks": 0}
+    if kv_cache != "none":
+        classes["kv-cache scales"] = 0
     for s in layout.model + layout.sidecar:
         c = layout.tensor_class[s.name]
         if c == "unquantized":
@@ -119,12 +123,14 @@ def estimate(
             c = "quantized linears"
         elif c == "mask":
             c = "masks"
+        elif c == "kv_scale":
+            c = "kv-cache scales"
         classes[c] += s.nbytes
     headers = sum(len(header_bytes(sh, ST_METADATA)) for sh in model_shards + side_shards)
     meta = len(dump_json(index_json(MODEL_PREFIX, model_shards)))
     if side_shards:
         meta += len(dump_json(index_json(SIDECAR_PREFIX, side_shards)))
-    meta += sum(len(dump_json(obj)) for obj in f.extra_files(["lm_head"], __version__).values())
+    meta += sum(len(dump_json(obj)) for obj in f.extra_files(["lm_head"], __version__, kv_cache).values())
     classes["safetensors headers"] = headers
     classes["index / quant json"] = meta
     classes["config, tokenizer, other files"] = int(other_bytes)

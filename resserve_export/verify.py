@@ -15,6 +15,11 @@ layers, for: plain W4A4, the checkpoint's own ratios (K-Ext), full compensation,
 partial ratios (selection from the calibration salience). Perplexity on the same text for the
 source model (key ``bf16`` whatever its dtype), plain W4A4, the checkpoint's ratios and full
 compensation uses `emulate.EmulatedLinear`.
+
+A checkpoint with KV-cache scales (``pack --kv-cache``) also gets the KV cache's error: per
+attention layer and pooled NMSE of the cached keys and values after the FP8 / NVFP4
+quantize-dequantize with the stored scales, and perplexity with that quantization applied in
+attention, alone (``bf16_kv``) and with the checkpoint's linears (``checkpoint_kv``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from .constants import SELECTION_GROUP
 from .errors import CheckpointMismatch, UserError
 from .formats import quantize
 from .kext import extend_weight
+from .kvcache import POINT, SCALE_DIVISOR, KVQuantizer
 from .qtensor import FP4Tensor
 from .selection import PARTIAL_RATIOS, mask_to_bool, select_mask
 
@@ -89,13 +95,18 @@ def _nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Te
     return float(ce[valid.reshape(-1)].sum()), int(valid.sum())
 
 
-def _forward_nll(model, batches: list[dict], dev, on_batch: Callable | None = None, tick: Callable | None = None) -> float:
+def _forward_nll(
+    model, batches: list[dict], dev, on_batch: Callable | None = None, tick: Callable | None = None, kv=None
+) -> float:
+    """Perplexity over `batches`; `kv`: a `kvcache.KVQuantizer` that sees (and with ``emulate``
+    quantizes) the keys and values every attention layer caches."""
     total, count = 0.0, 0
     with torch.inference_mode():
         for b in batches:
             if on_batch is not None:
                 on_batch(b)
-            out = model(input_ids=b["input_ids"].to(dev), attention_mask=b["attention_mask"].to(dev), use_cache=False)
+            extra = kv.forward_kwargs(b["attention_mask"]) if kv is not None else {"use_cache": False}
+            out = model(input_ids=b["input_ids"].to(dev), attention_mask=b["attention_mask"].to(dev), **extra)
             s, n = _nll(out.logits, b["input_ids"], b["attention_mask"])
             total, count = total + s, count + n
             if tick is not None:
@@ -364,6 +375,24 @@ def check_weights_match(
     raise CheckpointMismatch(f"{head}: the checkpoint was not packed from this model; pass the --model it was packed from")
 
 
+def check_kv_scales(ck: Checkpoint, calib: Path) -> None:
+    """Every stored KV-cache scale equals amax / 448 of the calibration's KV statistics, bit for
+    bit; `CheckpointMismatch` names the first that does not."""
+    from . import kvcache
+
+    stored = ck.kv_scales()
+    if not stored:
+        return
+    amax = kvcache.load(calib, list(stored))
+    for attn, scales in stored.items():
+        for which, s, a in zip("kv", scales, amax[attn]):
+            if not _same(s, kvcache.scale_from_amax(a)):
+                raise CheckpointMismatch(
+                    f"{attn} {which}_scale {float(s)!r} is not the calibration's amax / {kvcache.SCALE_DIVISOR:g} "
+                    f"({float(kvcache.scale_from_amax(a))!r}): pass the --calib the checkpoint was packed with"
+                )
+
+
 def linear_weights(model, ck: Checkpoint) -> dict[str, torch.Tensor]:
     """The model's weight of every quantized linear of `ck` (CPU, model dtype), checked to exist
     with the checkpoint's shapes."""
@@ -412,12 +441,14 @@ def evaluate(
         check_weights_match(ck, weights, progress=progress)
     packed_all = {m: ck.read(m) for m in ck.modules}
 
-    # 1. Source-model pass (its own dtype): perplexity and captured inputs.
+    # 1. Source-model pass (its own dtype): perplexity, captured inputs and the KV-cache error.
     dtype = next(iter(weights.values())).dtype
+    kv_scales = ck.kv_scales()
+    kv_measure = KVQuantizer(model, kv_scales, ck.kv_cache, emulate=False) if kv_scales else None
     cap = InputCapture(model, groups, max_tokens)
     tick = (lambda: progress(f"{str(dtype).removeprefix('torch.')} forward + capture", 1, len(batches))) if progress else None
     try:
-        ppl = {"bf16": _forward_nll(model, batches, device, on_batch=lambda b: cap.set_mask(b["attention_mask"]), tick=tick)}
+        ppl = {"bf16": _forward_nll(model, batches, device, on_batch=lambda b: cap.set_mask(b["attention_mask"]), tick=tick, kv=kv_measure)}
     finally:
         cap.remove()
 
@@ -446,6 +477,14 @@ def evaluate(
         with emulated(model, ck, mode, packed_all, cache):
             tick = (lambda: progress(f"perplexity ({mode})", 1, len(batches))) if progress else None
             ppl[mode] = _forward_nll(model, batches, device, tick=tick)
+    kv_report = None
+    if kv_scales:
+        # The KV cache quantized with the stored scales, alone and with the checkpoint's linears.
+        tick = (lambda: progress("perplexity (KV cache)", 1, 2 * len(batches))) if progress else None
+        ppl["bf16_kv"] = _forward_nll(model, batches, device, tick=tick, kv=KVQuantizer(model, kv_scales, ck.kv_cache, emulate=True))
+        with emulated(model, ck, "checkpoint", packed_all, cache):
+            ppl["checkpoint_kv"] = _forward_nll(model, batches, device, tick=tick, kv=KVQuantizer(model, kv_scales, ck.kv_cache, emulate=True))
+        kv_report = {"format": ck.kv_cache, "scale": f"amax / {SCALE_DIVISOR:g}", "point": POINT, **kv_measure.nmse()}
 
     from .checkpoint import natural_key
 
@@ -473,6 +512,7 @@ def evaluate(
             "falls_as_ratio_rises": all(a > b for a, b in zip(chain, chain[1:])),
         },
         "perplexity": ppl,
+        "kv_cache": kv_report,
         "layers": layers,
         "wall_time_s": round(time.perf_counter() - t0, 1),
     }
@@ -580,6 +620,8 @@ def verify(
     stats = load_stats(Path(calib)) if calib is not None else None
     if check_weights:
         check_weights_match(ck, linear_weights(net, ck), stats, model=modelio.model_label(model), progress=progress)
+        if calib is not None:
+            check_kv_scales(ck, Path(calib))
     tok = modelio.load_tokenizer(model_dir)
     spec = text or DEFAULT_TEXT
     docs = data.load_documents(spec)

@@ -44,7 +44,15 @@ def command(
         t.add_row(name, f"{r['ratio']:g}", r["mode"], str(r["K"]), str(r["K_E"]), f"{r['base_bytes']:,}",
                   f"{r['extension_bytes']:,}", f"{100 * share:.1f}%")
     con.print(t)
+    kv = info["kv_cache"]
+    if kv["layers"]:
+        kt = Table(title=f"{kv['format'].upper()} KV-cache scales (amax / 448)")
+        for col in ("attention layer", "k_scale", "v_scale"):
+            kt.add_column(col, justify="left" if col == "attention layer" else "right")
+        for r in kv["layers"]:
+            kt.add_row(r["module"].replace("model.layers.", "layers."), f"{r['k_scale']:.4e}", f"{r['v_scale']:.4e}")
+        con.print(kt)
     con.print(
         f"quantized linears {b['quantized_linears']:,} B, unquantized {b['unquantized']:,} B, "
-        f"sidecar {b['sidecar']:,} B, all files {b['all_files']:,} B"
+        f"KV-cache scales {b['kv_cache_scales']:,} B, sidecar {b['sidecar']:,} B, all files {b['all_files']:,} B"
     )

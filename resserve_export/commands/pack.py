@@ -20,6 +20,11 @@ def command(
     mx_scale: str = typer.Option("ceil", "--mx-scale", help="MXFP4 scale rounding: ceil | floor | even"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="largest safetensors shard, e.g. 5GB, 500MB"),
+    kv_cache: str = typer.Option(
+        "none", "--kv-cache",
+        help="also write KV-cache scales (amax / 448 per attention layer, from the calibration) for a KV cache in: none | fp8 | nvfp4 "
+        "(nvfp4 with --format nvfp4 only)",
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out directory"),
     allow_other_weights: bool = typer.Option(
         False,
@@ -45,6 +50,7 @@ def command(
         max_shard_size=max_shard_size,
         overwrite=overwrite,
         allow_other_weights=allow_other_weights,
+        kv_cache=kv_cache,
         progress=True,
     )
     Console(stderr=True).print(

@@ -20,6 +20,7 @@ def command(
         None, "--tokenizer-bytes", help="bytes of config, tokenizer and other copied files (default: measured beside CONFIG)"
     ),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="largest safetensors shard, as for pack"),
+    kv_cache: str = typer.Option("none", "--kv-cache", help="KV-cache scales, as for pack: none | fp8 | nvfp4"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     """Bytes of the checkpoint `pack` would write, per tensor class and in total, from config.json alone."""
@@ -28,11 +29,12 @@ def command(
 
     from ..api import size
 
-    rep = size(config, fmt, ratio=ratio, plan=plan, other_bytes=tokenizer_bytes, max_shard_size=max_shard_size)
+    rep = size(config, fmt, ratio=ratio, plan=plan, other_bytes=tokenizer_bytes, max_shard_size=max_shard_size, kv_cache=kv_cache)
     if as_json:
         print(json.dumps(rep.as_dict(), indent=2, sort_keys=True))
         return
-    t = Table(title=f"{fmt.upper()} checkpoint size ({'plan ' + str(plan) if plan else f'ratio {ratio}'})")
+    kv = f", {kv_cache.upper()} KV-cache scales" if kv_cache != "none" else ""
+    t = Table(title=f"{fmt.upper()} checkpoint size ({'plan ' + str(plan) if plan else f'ratio {ratio}'}{kv})")
     t.add_column("class")
     t.add_column("bytes", justify="right")
     t.add_column("GiB", justify="right")

@@ -62,6 +62,20 @@ def command(
         pt.add_column(k, justify="right")
     pt.add_row(*(f"{rep['perplexity'][k]:.3f}" for k in ("bf16", "plain", "checkpoint", "full")))
     con.print(pt)
+    kv = rep.get("kv_cache")
+    if kv:
+        kt = Table(title=f"{kv['format'].upper()} KV cache (scales {kv['scale']}): NMSE of cached keys / values, and perplexity")
+        for col in ("attention layer", "k_scale", "v_scale", "keys NMSE", "values NMSE"):
+            kt.add_column(col, justify="left" if col == "attention layer" else "right")
+        for r in kv["layers"]:
+            kt.add_row(r["module"].replace("model.layers.", "layers."), f"{r['k_scale']:.3e}", f"{r['v_scale']:.3e}", f"{r['k']:.3e}", f"{r['v']:.3e}")
+        kt.add_row("[bold]pooled[/]", "", "", f"[bold]{kv['pooled']['k']:.3e}[/]", f"[bold]{kv['pooled']['v']:.3e}[/]")
+        con.print(kt)
+        pp = rep["perplexity"]
+        con.print(
+            f"perplexity with the KV cache quantized: {rep['model_dtype']} linears {pp['bf16_kv']:.3f} (vs {pp['bf16']:.3f}), "
+            f"checkpoint linears {pp['checkpoint_kv']:.3f} (vs {pp['checkpoint']:.3f} with linears only)"
+        )
     ok = "yes" if n["falls_as_ratio_rises"] else "NO"
     con.print(
         f"activation quantization: {rep['activation_quantization']}; NMSE falls as the ratio rises: {ok}; "
