@@ -187,6 +187,7 @@ def test_same_seed_same_files(tiny, texts, tmp_path):
     b = run(tiny, tmp_path / "b", texts)
     c = run(tiny, tmp_path / "c", texts, seed=4)
     assert (a / "salience.safetensors").read_bytes() == (b / "salience.safetensors").read_bytes()
+    assert (a / "kv_cache.safetensors").read_bytes() == (b / "kv_cache.safetensors").read_bytes()
     ja, jb, jc = (json.loads((d / "calibration.json").read_text()) for d in (a, b, c))
     # wall_time_s is the only run-dependent field; everything else must match exactly.
     for j in (ja, jb, jc):
@@ -194,7 +195,7 @@ def test_same_seed_same_files(tiny, texts, tmp_path):
     assert ja == jb
     assert ja["samples_sha256"] != jc["samples_sha256"]
     assert (a / "salience.safetensors").read_bytes() != (c / "salience.safetensors").read_bytes()
-    assert sorted(p.name for p in a.iterdir()) == ["calibration.json", "salience.safetensors"]
+    assert sorted(p.name for p in a.iterdir()) == ["calibration.json", "kv_cache.safetensors", "salience.safetensors"]
 
 
 def test_calibration_json_contract(tiny, texts, tmp_path):
@@ -240,7 +241,7 @@ def test_overwrite_replaces_the_directory(tiny, texts, tmp_path):
     out.mkdir()
     (out / "old.txt").write_text("previous run")
     run(tiny, out, texts, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["calibration.json", "salience.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["calibration.json", "kv_cache.safetensors", "salience.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calib"]
 
 

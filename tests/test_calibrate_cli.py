@@ -130,7 +130,7 @@ def test_existing_non_empty_dir_needs_overwrite(tiny, tmp_path, capsys, texts):
     assert "--overwrite" in one_line_error(capsys)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     cli_ok(*base(tiny, out, texts), "--overwrite")
-    assert sorted(p.name for p in out.iterdir()) == ["calibration.json", "salience.safetensors", "scores.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["calibration.json", "kv_cache.safetensors", "salience.safetensors", "scores.json"]
 
 
 def test_unknown_device(tiny, tmp_path, capsys, texts):

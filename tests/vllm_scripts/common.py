@@ -51,7 +51,7 @@ def calibrate(model, tokenizer, mdir: Path, out: Path, num_samples: int = 8, seq
     """A small calibration directory following the calibration contract (salience + json)."""
     from safetensors.torch import save_file
 
-    from resserve_export import modelio
+    from resserve_export import kvcache, modelio
     from resserve_export.groups import group_linears, linears_of
 
     if (out / "calibration.json").exists():
@@ -70,9 +70,11 @@ def calibrate(model, tokenizer, mdir: Path, out: Path, num_samples: int = 8, seq
         hooks.append(modules[g.modules[0]].register_forward_pre_hook(hook))
     per_file = max(1, num_samples // len(CALIB_FILES))
     samples = [w for f in CALIB_FILES for w in token_windows(tokenizer, texts_dir() / f, per_file, seq_len, start=2000)]
+    kv = kvcache.KVCollector(model)  # k / v amax as the cache stores them, for --kv-cache
     with torch.no_grad():
         for ids in samples:
-            model(torch.tensor([ids]))
+            kv.set_mask(torch.ones(1, len(ids), dtype=torch.long))
+            model(torch.tensor([ids]), **kv.forward_kwargs())
     for h in hooks:
         h.remove()
     tensors = {}
@@ -83,6 +85,7 @@ def calibrate(model, tokenizer, mdir: Path, out: Path, num_samples: int = 8, seq
             tensors[f"{m}.amax"] = amax.clone()
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "salience.safetensors"))
+    kvcache.save(kv.result(), out / kvcache.FILE)
     meta = {
         "model": str(mdir.name), "fingerprint": modelio.fingerprint(mdir), "fingerprint_method": modelio.FINGERPRINT_METHOD, "dataset": "shakespeare:" + ",".join(CALIB_FILES),
         "num_samples": len(samples), "num_tokens": len(samples) * seq_len, "seq_len": seq_len, "batch_size": 1,
@@ -93,12 +96,22 @@ def calibrate(model, tokenizer, mdir: Path, out: Path, num_samples: int = 8, seq
     return out
 
 
-def pack(mdir: Path, calib: Path, out: Path, fmt: str, ratio: float) -> Path:
+def pack(mdir: Path, calib: Path, out: Path, fmt: str, ratio: float, kv_cache: str = "none") -> Path:
     from resserve_export.pack import pack as run_pack
 
     if not (out / "config.json").exists():
-        run_pack(str(mdir), calib, out, fmt, ratio=ratio, device="cpu", progress=False)
+        run_pack(str(mdir), calib, out, fmt, ratio=ratio, device="cpu", progress=False, kv_cache=kv_cache)
     return out
+
+
+@torch.no_grad()
+def logprobs_kv(model, ids: list[int], scales: dict, kind: str) -> torch.Tensor:
+    """`logprobs` with the KV cache quantized with `scales` in attention (`kvcache.KVQuantizer`)."""
+    from resserve_export.kvcache import KVQuantizer
+
+    q = KVQuantizer(model, scales, kind, emulate=True)
+    logits = model(torch.tensor([ids]), **q.forward_kwargs(torch.ones(1, len(ids), dtype=torch.long))).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1)
 
 
 def reference(

@@ -11,6 +11,9 @@ Usage: python engine.py JOB.json OUT.json, where JOB has
   generate:    list of prompts as token-id lists: greedy continuations of `max_tokens` tokens
   score:       list of token-id lists: per position, the logprob of the actual next token and the
                engine's top-`topk` logprobs (prompt logprobs)
+  kv_cache_dtype: optional KV-cache dtype of the engine (e.g. "fp8"); the output then has
+               "kv_scales": {attention layer: [k_scale, v_scale]} as the engine's attention
+               layers hold them after loading
 Prompts run one request at a time, so every engine step holds one request (a prefill of the whole
 prompt, then single-row decode steps).
 """
@@ -45,6 +48,14 @@ def register_stock_fp32() -> None:
             return STOCK_FP32 if user_quant == STOCK_FP32 else None
 
 
+def kv_scales(model) -> dict:
+    """{attention layer: [k_scale, v_scale]} of the loaded model's attention layers: the floats
+    vLLM's kernels receive (``_k_scale_float`` / ``_v_scale_float``)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    return {n: [m._k_scale_float, m._v_scale_float] for n, m in model.named_modules() if isinstance(m, Attention)}
+
+
 def main(job_path: str, out_path: str) -> None:
     job = json.load(open(job_path))
     import torch
@@ -70,9 +81,13 @@ def main(job_path: str, out_path: str) -> None:
         # A prefix-cache hit would shorten a step to the uncached rows, and the resserve method
         # picks its mode (K-Ext or full) from a step's row count: keep steps whole.
         enable_prefix_caching=False,
+        **({"kv_cache_dtype": job["kv_cache_dtype"]} if job.get("kv_cache_dtype") else {}),
         **kw,
     )
     out = {"load_s": time.time() - t0, "quantization": llm.llm_engine.model_config.quantization}
+    if job.get("kv_cache_dtype"):
+        out["kv_cache_dtype"] = llm.llm_engine.vllm_config.cache_config.cache_dtype
+        out["kv_scales"] = llm.apply_model(kv_scales)[0]
     greedy = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 32), ignore_eos=True)
     out["generate"] = []
     for ids in job.get("generate", []):
