@@ -60,13 +60,19 @@ def forward_plain(model, batches, kw) -> None:
 
 
 def forward_hooked(model, batches, groups, kw) -> dict:
+    """What `calibrate` runs: the statistics hooks and the KV-cache observer (k / v amax)."""
+    from resserve_export.kvcache import KVCollector
+
     dev = cal.input_device(model)
+    kv = KVCollector(model)
     with cal.StatsCollector(model, groups) as col, torch.inference_mode():
         for b in batches:
             col.set_mask(b["attention_mask"])
-            model(input_ids=b["input_ids"].to(dev), attention_mask=b["attention_mask"].to(dev), **kw)
+            kv.set_mask(b["attention_mask"])
+            model(input_ids=b["input_ids"].to(dev), attention_mask=b["attention_mask"].to(dev), **{**kw, **kv.forward_kwargs()})
             col.end_batch()
-        return col.result()
+            kv.end_batch()
+        return col.result(), kv.result()
 
 
 def timed(fn, model) -> tuple[float, float]:

