@@ -288,7 +288,7 @@ class StatsCollector:
             if tuple(x.shape[:-1]) != self._shape:
                 raise UserError(
                     f"linear {name} sees input of shape {tuple(x.shape)}, not [batch, tokens, features] of the batch "
-                    f"{self._shape}: padding cannot be excluded for it (mixture-of-experts layers are not supported yet)"
+                    f"{self._shape}: padding cannot be excluded for it; this architecture's layout is not supported"
                 )
             idx, acc = self._rows_for(x)
             with torch.no_grad():
@@ -462,6 +462,9 @@ def calibrate(
     model_dir = modelio.resolve_model(model)
     modelio.check_architecture(model_dir, "calibrate")
     shapes = modelio.tensor_shapes(model_dir)
+    from .layout import refuse_experts
+
+    refuse_experts(shapes, "calibrated")
     check_in_features(_quantized_linears(shapes))
     fingerprint = modelio.fingerprint(model_dir)
     docs = data.load_documents(config.dataset)

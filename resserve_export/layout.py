@@ -8,13 +8,14 @@ verbatim is decided here too (`OWN_FILES`, `WEIGHT_SUFFIXES`).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from . import registry
 from .checkpoint import HF_QUANT_CONFIG, MODEL_INDEX, SIDECAR_INDEX, TensorSpec, natural_key, split_shards
 from .constants import SELECTION_GROUP
 from .errors import UserError
-from .groups import Group, expert_modules, group_linears, linears_from_shapes
+from .groups import Group, group_linears, linears_from_shapes
 from .kext import ext_width
 
 # Files of a source model that are weights or that `pack` writes itself: never copied.
@@ -73,12 +74,29 @@ def kv_specs(shapes: dict[str, tuple[str, tuple[int, ...]]], fmt: str, kv_cache:
     return out
 
 
-def refuse_experts(shapes: dict[str, tuple[str, tuple[int, ...]]]) -> None:
-    """Mixture-of-experts linears are not supported yet: refuse them before any work."""
-    experts = expert_modules(sorted(linears_from_shapes(shapes), key=natural_key))
+def expert_tensors(shapes: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
+    """Tensors holding mixture-of-experts weights, whatever their layout: per-expert linears
+    (``….experts.E.gate_proj.weight``, Mixtral's ``….experts.E.w1.weight``), fused expert
+    parameters (``….experts.gate_up_proj`` [E, …], transformers 5 and gpt-oss), and any other
+    weight of three or more dimensions."""
+    out = [n for n, (_, shape) in shapes.items() if _EXPERT_TENSOR.search(n) or (len(shape) >= 3 and not n.endswith(".bias"))]
+    return sorted(out, key=natural_key)
+
+
+_EXPERT_TENSOR = re.compile(r"\.experts\.")
+
+
+def refuse_experts(shapes: dict[str, tuple[str, tuple[int, ...]]], doing: str = "packed") -> None:
+    """Mixture-of-experts models are not supported yet: refuse them from the headers, before any
+    work (the fused expert parameters of transformers 5 are not `nn.Linear`, so a check on the
+    loaded model's linears would miss them and quantize attention only)."""
+    experts = expert_tensors(shapes)
     if experts:
-        more = f" and {len(experts) - 3} more" if len(experts) > 3 else ""
-        raise UserError(f"MoE expert linears are not supported yet: {', '.join(experts[:3])}{more}")
+        names = [n.removesuffix(".weight") for n in experts]
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        raise UserError(
+            f"mixture-of-experts models are not supported yet ({', '.join(names[:3])}{more} hold expert weights): nothing was {doing}"
+        )
 
 
 def model_groups(shapes: dict[str, tuple[str, tuple[int, ...]]]) -> list[Group]:

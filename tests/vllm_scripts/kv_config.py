@@ -12,7 +12,6 @@ from pathlib import Path
 
 
 def main(ckpt: str, out_path: str) -> None:
-    import torch
     from safetensors.torch import load_file
     from vllm.model_executor.layers.quantization import get_quantization_config
     from vllm.model_executor.layers.quantization.kv_cache import KVCacheScaleParameter
