@@ -1,4 +1,5 @@
-"""Overhead of calibrate's statistics hooks, as a ratio to the same forward passes without them.
+"""Overhead of calibrate's statistics hooks and KV-cache observer (what `calibrate` runs), as a
+ratio to the same forward passes without them; ``stats_only_*`` is the hooks alone.
 
 Both arms run in one process on the same batches, interleaved (A B A B ...), after one warm-up
 each; the ratio is the median of per-pair ratios (robust to a noisy, shared machine) and the
@@ -59,20 +60,24 @@ def forward_plain(model, batches, kw) -> None:
             model(input_ids=b["input_ids"].to(dev), attention_mask=b["attention_mask"].to(dev), **kw)
 
 
-def forward_hooked(model, batches, groups, kw) -> dict:
-    """What `calibrate` runs: the statistics hooks and the KV-cache observer (k / v amax)."""
+def forward_hooked(model, batches, groups, kw, with_kv: bool = True) -> dict:
+    """What `calibrate` runs: the statistics hooks and (`with_kv`) the KV-cache observer."""
     from resserve_export.kvcache import KVCollector
 
     dev = cal.input_device(model)
-    kv = KVCollector(model)
+    kv = KVCollector(model) if with_kv else None
     with cal.StatsCollector(model, groups) as col, torch.inference_mode():
         for b in batches:
             col.set_mask(b["attention_mask"])
-            kv.set_mask(b["attention_mask"])
-            model(input_ids=b["input_ids"].to(dev), attention_mask=b["attention_mask"].to(dev), **{**kw, **kv.forward_kwargs()})
+            extra = {}
+            if kv is not None:
+                kv.set_mask(b["attention_mask"])
+                extra = kv.forward_kwargs()
+            model(input_ids=b["input_ids"].to(dev), attention_mask=b["attention_mask"].to(dev), **{**kw, **extra})
             col.end_batch()
-            kv.end_batch()
-        return col.result(), kv.result()
+            if kv is not None:
+                kv.end_batch()
+        return col.result(), kv.result() if kv is not None else None
 
 
 def timed(fn, model) -> tuple[float, float]:
@@ -88,14 +93,17 @@ def overhead(model, batches, reps: int) -> dict:
     kw = cal.forward_kwargs(model)
     plain = lambda: forward_plain(model, batches, kw)  # noqa: E731
     hooked = lambda: forward_hooked(model, batches, groups, kw)  # noqa: E731
-    plain(), hooked()  # warm-up
-    pw, pc, hw, hc = [], [], [], []
+    stats_only = lambda: forward_hooked(model, batches, groups, kw, with_kv=False)  # noqa: E731
+    plain(), hooked(), stats_only()  # warm-up
+    pw, pc, hw, hc, sw = [], [], [], [], []
     for _ in range(reps):
         a = timed(plain, model)
         b = timed(hooked, model)
-        pw.append(a[0]), pc.append(a[1]), hw.append(b[0]), hc.append(b[1])
+        c = timed(stats_only, model)
+        pw.append(a[0]), pc.append(a[1]), hw.append(b[0]), hc.append(b[1]), sw.append(c[0])
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
     return {
+        "stats_only_ratio_wall_median_of_pairs": statistics.median(s / p for s, p in zip(sw, pw)),
         "tokens_per_pass": tokens,
         "reps": reps,
         "plain_wall_s_median": statistics.median(pw),

@@ -119,14 +119,20 @@ def qdq(x: torch.Tensor, scale: torch.Tensor | float, kind: str) -> torch.Tensor
 # ----------------------------------------------------------------------------- the observing cache
 
 
-def observing_cache(model, on_kv: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]):
-    """A fresh `DynamicCache` for one forward pass whose ``update(k, v, layer_idx)`` first calls
-    ``on_kv(layer_idx, k, v)`` and caches (and hands to attention) what it returns."""
+def observing_cache(
+    model, on_kv: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]], store: bool = True
+):
+    """A fresh `DynamicCache` whose ``update(k, v, layer_idx)`` first calls ``on_kv(layer_idx, k, v)``
+    and caches (and hands to attention) what it returns. ``store=False``: for one forward pass
+    that never reads the cache back (calibration), nothing is kept, attention gets the update's
+    keys and values as they are."""
     from transformers import DynamicCache
 
     class ObservingCache(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
             key_states, value_states = on_kv(layer_idx, key_states, value_states)
+            if not store:
+                return key_states, value_states
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     try:
@@ -158,13 +164,23 @@ class KVCollector:
         self.problem: str | None = None if self.names else "the model has no attention layers with k_proj / v_proj"
         self._model = model
         self._mask: torch.Tensor | None = None
+        self._all_valid = False
+        self._on_device: dict = {}
         self._amax: dict[int, list[torch.Tensor]] = {}
 
     def set_mask(self, attention_mask: torch.Tensor) -> None:
         self._mask = attention_mask.detach().to("cpu").bool()
+        self._all_valid = bool(self._mask.all())
+        self._on_device = {}
 
     def forward_kwargs(self) -> dict:
-        return cache_kwargs(self._model, observing_cache(self._model, self._observe))
+        return cache_kwargs(self._model, observing_cache(self._model, self._observe, store=False))
+
+    def _valid(self, device) -> torch.Tensor:
+        m = self._on_device.get(device)
+        if m is None:
+            m = self._on_device[device] = self._mask.to(device)
+        return m
 
     def _observe(self, idx: int, k: torch.Tensor, v: torch.Tensor):
         if self.problem is not None:
@@ -177,11 +193,14 @@ class KVCollector:
             self.problem = f"{self.names[idx]} caches keys of shape {tuple(k.shape)}, not [batch, kv heads, tokens, head dim]"
             return k, v
         with torch.no_grad():
-            valid = m.to(k.device)
             got = []
             for t in (k, v):
-                per_token = t.detach().abs().amax(dim=(1, 3))  # [B, T]
-                got.append(per_token.masked_fill(~valid, 0).amax().float())
+                t = t.detach()
+                if self._all_valid:  # |x| and max fused, no temporary
+                    got.append(torch.linalg.vector_norm(t, float("inf")).float())
+                else:
+                    per_token = torch.linalg.vector_norm(t, float("inf"), dim=(1, 3))  # [B, T], no |t| temporary
+                    got.append(per_token.masked_fill(~self._valid(t.device), 0).amax().float())
             acc = self._amax.get(idx)
             self._amax[idx] = got if acc is None else [torch.maximum(a, b) for a, b in zip(acc, got)]
         return k, v
