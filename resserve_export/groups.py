@@ -37,7 +37,7 @@ def is_quantized(name: str) -> bool:
 
 
 def expert_modules(names: list[str]) -> list[str]:
-    """Linears inside MoE experts (not supported yet)."""
+    """Names inside MoE experts (``….experts.…``; not supported yet)."""
     return [n for n in names if _EXPERTS.search(n)]
 
 

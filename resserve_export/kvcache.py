@@ -48,6 +48,19 @@ def check_kind(kind: str) -> str:
     return kind
 
 
+def check_for_format(kind: str, fmt) -> str:
+    """`kind` checked, and supported by checkpoint format `fmt` (its loaders read those scales);
+    a one-line `UserError` otherwise."""
+    from . import registry
+
+    f = registry.get(fmt)
+    try:
+        f.check_kv(check_kind(kind))
+    except ValueError as e:
+        raise UserError(f"{e} (what their vLLM loader reads): choose --kv-cache {' or '.join(f.kv_kinds)}, or --format nvfp4") from None
+    return kind
+
+
 # ----------------------------------------------------------------------------- layers and names
 
 
@@ -329,5 +342,5 @@ def load(calib_dir, attention: list[str]) -> dict[str, tuple[torch.Tensor, torch
 
 __all__ = [
     "KINDS", "FILE", "POINT", "SCALE_DIVISOR", "KVCollector", "KVQuantizer", "attention_modules", "layer_names", "scale_names",
-    "scale_shape", "scale_from_amax", "qdq", "observing_cache", "cache_kwargs", "check_kind", "save", "load",
+    "scale_shape", "scale_from_amax", "qdq", "observing_cache", "cache_kwargs", "check_kind", "check_for_format", "save", "load",
 ]

@@ -8,14 +8,13 @@ verbatim is decided here too (`OWN_FILES`, `WEIGHT_SUFFIXES`).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from . import registry
 from .checkpoint import HF_QUANT_CONFIG, MODEL_INDEX, SIDECAR_INDEX, TensorSpec, natural_key, split_shards
 from .constants import SELECTION_GROUP
 from .errors import UserError
-from .groups import Group, group_linears, linears_from_shapes
+from .groups import Group, expert_modules, group_linears, linears_from_shapes
 from .kext import ext_width
 
 # Files of a source model that are weights or that `pack` writes itself: never copied.
@@ -57,13 +56,9 @@ def kv_specs(shapes: dict[str, tuple[str, tuple[int, ...]]], fmt: str, kv_cache:
     (none for ``none``): a k and a v scale per attention module of the headers."""
     from . import kvcache
 
-    if kvcache.check_kind(kv_cache) == "none":
+    if kvcache.check_for_format(kv_cache, fmt) == "none":
         return {}
     f = registry.get(fmt)
-    try:
-        f.check_kv(kv_cache)
-    except ValueError as e:
-        raise UserError(f"{e}: choose --kv-cache {' or '.join(f.kv_kinds)}, or --format nvfp4") from None
     attention = kvcache.attention_modules(shapes)
     if not attention:
         raise UserError("the model has no attention layers with k_proj / v_proj: it cannot carry KV-cache scales; use --kv-cache none")
@@ -79,11 +74,8 @@ def expert_tensors(shapes: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
     (``….experts.E.gate_proj.weight``, Mixtral's ``….experts.E.w1.weight``), fused expert
     parameters (``….experts.gate_up_proj`` [E, …], transformers 5 and gpt-oss), and any other
     weight of three or more dimensions."""
-    out = [n for n, (_, shape) in shapes.items() if _EXPERT_TENSOR.search(n) or (len(shape) >= 3 and not n.endswith(".bias"))]
-    return sorted(out, key=natural_key)
-
-
-_EXPERT_TENSOR = re.compile(r"\.experts\.")
+    fused = [n for n, (_, shape) in shapes.items() if len(shape) >= 3 and not n.endswith(".bias")]
+    return sorted({*expert_modules(list(shapes)), *fused}, key=natural_key)
 
 
 def refuse_experts(shapes: dict[str, tuple[str, tuple[int, ...]]], doing: str = "packed") -> None:

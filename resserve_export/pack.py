@@ -243,12 +243,7 @@ def pack(
 
     t0 = time.perf_counter()
     f = check_format_arg(fmt)
-    kvcache.check_kind(kv_cache)
-    if kv_cache != "none" and kv_cache not in f.kv_kinds:
-        raise UserError(
-            f"{fmt} checkpoints carry KV-cache scales for {', '.join(f.kv_kinds)} only (what their vLLM loader reads): "
-            f"choose --kv-cache {' or '.join(f.kv_kinds)}, or --format nvfp4"
-        )
+    kvcache.check_for_format(kv_cache, f)  # before any work; build_layout relies on it too
     try:
         rounding = ScaleRounding(mx_scale)
     except ValueError:
