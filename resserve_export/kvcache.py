@@ -243,9 +243,9 @@ class KVQuantizer:
     """The KV cache's quantize-dequantize with stored per-layer scales, as attention sees it.
 
     ``emulate=True``: attention reads the quantize-dequantized keys and values (perplexity with
-    a quantized KV cache); ``emulate=False``: it reads the originals, and only the error is
-    measured. Either way, per layer Σ(qdq(x) − x)² and Σx² over valid tokens accumulate in
-    float64 (`nmse`).
+    a quantized KV cache). ``emulate=False``: attention reads the originals and the error is
+    measured: per layer Σ(qdq(x) − x)² and Σx² over valid tokens accumulate in float64
+    (`nmse`).
     """
 
     def __init__(self, model, scales: dict[str, tuple[torch.Tensor, torch.Tensor]], kind: str, *, emulate: bool):
@@ -267,24 +267,26 @@ class KVQuantizer:
 
     def _observe(self, idx: int, k: torch.Tensor, v: torch.Tensor):
         name = self.names[idx]
-        out = []
+        if self.emulate:
+            kq, vq = (qdq(x, s, self.kind) for x, s in zip((k, v), self.scales[name]))
+            return kq, vq
         valid = None
         if self._mask is not None and k.dim() == 4 and (k.shape[0], k.shape[2]) == tuple(self._mask.shape):
             valid = self._mask.to(k.device)[:, None, :, None]
-        for j, (x, s) in enumerate(zip((k, v), self.scales[name])):
-            q = qdq(x, s, self.kind)
-            with torch.no_grad():
-                xf, qf = x.detach().double(), q.detach().double()
-                d2, r2 = (qf - xf).square(), xf.square()
+        with torch.no_grad():
+            for j, (x, s) in enumerate(zip((k, v), self.scales[name])):
+                xf = x.detach().double()
+                d2, r2 = (qdq(x, s, self.kind).detach().double() - xf).square(), xf.square()
                 if valid is not None:
                     d2, r2 = d2.masked_fill(~valid, 0), r2.masked_fill(~valid, 0)
                 self.err[name][j] += float(d2.sum())
                 self.ref[name][j] += float(r2.sum())
-            out.append(q if self.emulate else x)
-        return out[0], out[1]
+        return k, v
 
     def nmse(self) -> dict:
         """``{"pooled": {"k", "v"}, "layers": [{"module", "k_scale", "v_scale", "k", "v"}]}``."""
+        if self.emulate:
+            raise ValueError("an emulating KVQuantizer measures nothing: use emulate=False for the NMSE")
 
         def ratio(e: float, r: float) -> float:
             return e / r if r > 0 else float("nan")
