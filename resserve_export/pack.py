@@ -234,7 +234,7 @@ def pack(
     allow_other_weights: bool = False,
     kv_cache: str = "none",
 ) -> PackResult:
-    """Write the checkpoint directory of SPEC §7 to `out` (see the module docstring).
+    """Write the packed checkpoint directory to `out` (see the module docstring).
 
     `kv_cache` (``none``, ``fp8``, ``nvfp4``): also write each attention layer's k / v scales
     from the calibration's KV-cache statistics (`kvcache`), and declare the KV-cache format in

@@ -387,3 +387,62 @@ def test_verify_refuses_kv_scales_of_another_calibration(models, kv_packed, tmp_
             "--seq-len", "32", "--device", "cpu", "--out", str(out))
     assert_one_line_error(p, 3, "model.layers.1.self_attn k_scale", "--calib")
     assert leftovers(out) == []
+
+
+def test_a_model_without_k_proj_cannot_carry_kv_scales():
+    from resserve_export.errors import UserError
+    from resserve_export.layout import kv_specs
+
+    shapes = {"model.layers.0.self_attn.qkv_proj.weight": ("BF16", (192, 64)), "model.layers.0.mlp.down_proj.weight": ("BF16", (64, 128))}
+    with pytest.raises(UserError, match="no attention layers with k_proj / v_proj: it cannot carry KV-cache scales; use --kv-cache none"):
+        kv_specs(shapes, "nvfp4", "fp8")
+    assert kv_specs(shapes, "nvfp4", "none") == {}
+
+
+def test_nvfp4_kv_needs_a_head_dim_multiple_of_16():
+    from resserve_export.errors import UserError
+
+    with pytest.raises(UserError, match="head dimension 24 is not a multiple of 16"):
+        kvcache.qdq(torch.ones(1, 2, 3, 24), 1.0, "nvfp4")
+
+
+def _packed_kv(models, tmp_path) -> Path:
+    model = models["qwen3"]
+    calib = make_calibration(model, tmp_path / "c", kv=True)
+    return pack(model, calib, tmp_path / "ck", "nvfp4", ratio=0, kv_cache="fp8", progress=False).out
+
+
+def test_checkpoint_declaring_kv_without_scales_is_one_line(models, tmp_path):
+    out = _packed_kv(models, tmp_path)
+    idx_path = out / "model.safetensors.index.json"
+    idx = json.loads(idx_path.read_text())
+    for f in sorted(set(idx["weight_map"].values())):
+        t = load_file(str(out / f))
+        save_file({k: v for k, v in t.items() if not k.endswith(("k_scale", "v_scale"))}, str(out / f))
+    idx["weight_map"] = {k: v for k, v in idx["weight_map"].items() if not k.endswith(("k_scale", "v_scale"))}
+    idx_path.write_text(json.dumps(idx))
+    assert_one_line_error(run("inspect", str(out)), 2, "declares a fp8 KV cache but holds no KV-cache scales", "re-run pack")
+
+
+def test_checkpoint_with_a_k_scale_but_no_v_scale_is_one_line(models, tmp_path):
+    out = _packed_kv(models, tmp_path)
+    idx_path = out / "model.safetensors.index.json"
+    idx = json.loads(idx_path.read_text())
+    gone = "model.layers.1.self_attn.v_proj.v_scale"
+    f = idx["weight_map"].pop(gone)
+    t = load_file(str(out / f))
+    del t[gone]
+    save_file(t, str(out / f))
+    idx_path.write_text(json.dumps(idx))
+    assert_one_line_error(run("inspect", str(out)), 2, "model.layers.1.self_attn.k_proj.k_scale but no " + gone, "incomplete")
+
+
+def test_kv_quantizer_needs_a_scale_for_every_layer(models):
+    from resserve_export.errors import UserError
+
+    model = modelio.load_model(models["qwen3"], "float32")
+    scales = {"model.layers.0.self_attn": (torch.tensor(0.1), torch.tensor(0.1))}
+    with pytest.raises(UserError, match="no KV-cache scales for model.layers.1.self_attn: re-run pack with --kv-cache fp8"):
+        kvcache.KVQuantizer(model, scales, "fp8", emulate=True)
+    with pytest.raises(ValueError, match="measures nothing"):
+        kvcache.KVQuantizer(model, {**scales, "model.layers.1.self_attn": scales["model.layers.0.self_attn"]}, "fp8", emulate=True).nmse()
