@@ -57,6 +57,7 @@ def inspect_checkpoint(ckpt_dir: str | os.PathLike) -> dict:
             "format": ck.kv_cache,
             "layers": [{"module": a, "k_scale": float(k), "v_scale": float(v)} for a, (k, v) in kv.items()],
         },
+        "weight_algo": ((ck.resserve.get("provenance") or {}).get("weight_algo") or {"name": "rtn"}),
         "provenance": ck.resserve.get("provenance"),
     }
 

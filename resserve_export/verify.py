@@ -16,6 +16,15 @@ partial ratios (selection from the calibration salience). Perplexity on the same
 source model (key ``bf16`` whatever its dtype), plain W4A4, the checkpoint's ratios and full
 compensation uses `emulate.EmulatedLinear`.
 
+An AWQ checkpoint (``calibrate --weight-algo awq``) stores smoothed weights and norms; its scales
+stay in the calibration directory, so `verify` needs ``--calib`` (the scales file's SHA-256 must
+be the one recorded at pack time). The weight check then quantizes the model's weights smoothed
+by those scales (`awq.Smoothing`) and checks the smoothed norms and biases too; NMSE compares
+the quantized product of the smoothed operands with the original model's FP32 product (a linear
+whose output rows the next group's scales divide is compared with that exact smoothed output);
+the emulated perplexity runs with the smoothed norms. The bf16 reference stays the original
+model: smoothing is exact in real arithmetic.
+
 A checkpoint with KV-cache scales (``pack --kv-cache``) also gets the KV cache's error: per
 attention layer and pooled NMSE of the cached keys and values after the FP8 / NVFP4
 quantize-dequantize with the stored scales, and perplexity with that quantization applied in
@@ -27,13 +36,14 @@ from __future__ import annotations
 import json
 import math
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from . import kernel, registry
+from .awq import Smoothing
 from .checkpoint import Checkpoint, PackedLinear
 from .constants import SELECTION_GROUP
 from .errors import CheckpointMismatch, UserError
@@ -154,13 +164,21 @@ def group_nmse(
     sweep=SWEEP,
     backend: str = "auto",
     chunk: int = 4096,
+    smooth: torch.Tensor | None = None,
+    packed_weights: dict[str, torch.Tensor] | None = None,
+    row_scales: dict[str, torch.Tensor | None] | None = None,
 ) -> dict[str, dict[str, _Acc]]:
     """Per member: {mode: _Acc} for ``plain``, ``checkpoint``, ``full`` and each sweep ratio.
 
     x: captured inputs ``[T, K]`` (model dtype) on the compute device; weights: original weights
     per member, in the source dtype (CPU); packed: `PackedLinear` per member (one fused group:
     shared α_x, ratio and mask). Activations go through `kernel.quantize_extend` / `quantize_full`.
+    An AWQ-smoothed group: `smooth` divides the input before it is quantized (as the smoothed
+    norm or row produces it, in the model dtype) and `packed_weights` are the smoothed weights
+    the sweep's extensions are built from; the reference stays the original product x Wᵀ,
+    divided by `row_scales[m]` for a member whose output rows the next group's scales divide.
     """
+    packed_weights = weights if packed_weights is None else packed_weights
     dev = x.device
     first = packed[next(iter(packed))]
     alpha = first.input_scale.to(dev) if registry.get(fmt).has_tensor_scale else None
@@ -175,14 +193,15 @@ def group_nmse(
         if mode == "k_ext":
             d["checkpoint"] = FP4Tensor.cat([base, pk.ext]).dequantize().to(dev)
         for r, mk in masks.items():
-            ext = extend_weight(weights[m], mk, r, fmt, rounding, alpha=base.global_scale)
+            ext = extend_weight(packed_weights[m], mk, r, fmt, rounding, alpha=base.global_scale)
             d[r] = FP4Tensor.cat([base, ext]).dequantize().to(dev)
         w_eff[m] = d
 
     accs = {m: {k: _Acc() for k in ("plain", "checkpoint", "full", *masks)} for m in packed}
     with _no_tf32(), torch.inference_mode():
         for s in range(0, x.shape[0], chunk):
-            xc = x[s : s + chunk].contiguous()
+            x_ref = x[s : s + chunk].contiguous()
+            xc = x_ref if smooth is None else (x_ref.float() / smooth.to(dev)).to(x_ref.dtype)
             xb, xr = kernel.quantize_full(xc, fmt, alpha=alpha, rounding=rounding, backend=backend)
             xp = xb.dequantize()
             xfull = xp + xr.dequantize()
@@ -191,10 +210,13 @@ def group_nmse(
                 xe["checkpoint"] = kernel.quantize_extend(xc, mask, ratio, fmt, alpha, rounding, backend).dequantize()
             for r, mk in masks.items():
                 xe[r] = kernel.quantize_extend(xc, mk, r, fmt, alpha, rounding, backend).dequantize()
-            xf = xc.float()
+            xf = x_ref.float()
             for m in packed:
                 wf = weights[m].to(dev).float()
                 y_ref = xf @ wf.T
+                rs = (row_scales or {}).get(m)
+                if rs is not None:
+                    y_ref = y_ref / rs.to(dev)
                 wq = w_eff[m]["base"]
                 y_plain = xp @ wq.T
                 y_full = xfull @ wq.T
@@ -408,6 +430,61 @@ def linear_weights(model, ck: Checkpoint) -> dict[str, torch.Tensor]:
     return weights
 
 
+def smoothed_weights(weights: dict[str, torch.Tensor], smoothing: Smoothing | None) -> dict[str, torch.Tensor]:
+    """The weights a checkpoint quantized: `weights` themselves, or smoothed by the AWQ scales."""
+    if smoothing is None:
+        return weights
+    return {m: smoothing.apply(f"{m}.weight", w) for m, w in weights.items()}
+
+
+def checkpoint_smoothing(ck: Checkpoint, calib: Path | None) -> Smoothing | None:
+    """The AWQ smoothing `ck` was packed with, rebuilt from its calibration directory (the scales
+    are not in the checkpoint: it stays a plain one), or None for a round-to-nearest checkpoint.
+    The calibration's scales file must be the one recorded at pack time (its SHA-256)."""
+    from .awq import FILE, file_digest
+
+    algo = (ck.resserve.get("provenance") or {}).get("weight_algo")
+    meta = None
+    if calib is not None:
+        meta_path = Path(calib) / "calibration.json"
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (OSError, ValueError):
+            raise UserError(f"{calib} has no readable calibration.json: pass the --calib the checkpoint was packed with") from None
+    calib_algo = ((meta or {}).get("weight_algo") or {}).get("name", "rtn")
+    if not algo:
+        if calib_algo != "rtn":
+            raise CheckpointMismatch(
+                f"{calib} holds {calib_algo.upper()} scales but {ck.dir} was packed without them: pass the --calib it was packed with"
+            )
+        return None
+    if calib is None:
+        raise UserError(
+            f"{ck.dir} holds AWQ-smoothed weights: pass --calib with the calibration it was packed with, whose scales verify needs to reproduce them"
+        )
+    path = Path(calib) / ((meta or {}).get("weight_algo") or {}).get("file", FILE)
+    if calib_algo != "awq" or not path.is_file() or file_digest(path) != algo.get("scales_sha256"):
+        raise CheckpointMismatch(f"{ck.dir} was packed with other AWQ scales than those in {calib}: pass the --calib it was packed with")
+    return Smoothing.from_calibration(Path(calib), meta)
+
+
+def check_smoothed_tensors(ck: Checkpoint, model, smoothing: Smoothing) -> None:
+    """The unquantized tensors the AWQ scales fold into (norms, producer biases) are stored as
+    `smoothing` makes them from `model`'s own, bit for bit."""
+    params = dict(model.named_parameters())
+    quantized = {f"{m}.weight" for m in ck.modules}
+    for name in smoothing.tensors:
+        if name in quantized or name not in params:
+            continue
+        if name not in ck.model:
+            raise CheckpointMismatch(f"{ck.dir} has no {name}, which the AWQ scales fold into: pass the checkpoint and --calib that belong together")
+        ref = smoothing.apply(name, params[name].detach().to("cpu"))
+        if not _same(ck.model.get(name), ref):
+            raise CheckpointMismatch(
+                f"{name} in {ck.dir} is not the model's, smoothed by the calibration's AWQ scales: pass the --model and --calib it was packed from"
+            )
+
+
 def _reduction(new: float, old: float) -> float:
     return 100.0 * (old - new) / old if old > 0 else float("nan")
 
@@ -423,16 +500,19 @@ def evaluate(
     max_tokens: int = 4096,
     check_weights: bool = True,
     progress: Callable[[str, int, int], None] | None = None,
+    smoothing: Smoothing | None = None,
 ) -> dict:
     """The measurements of `verify` for a loaded model and an opened checkpoint (no files).
 
     `check_weights`: first `check_weights_match` (without calibration statistics), which raises
-    on a mismatch before anything is measured.
+    on a mismatch before anything is measured. `smoothing`: the AWQ smoothing the checkpoint was
+    packed with (`checkpoint_smoothing`); the reference stays the unsmoothed `model`.
     """
     t0 = time.perf_counter()
     fmt, rounding = ck.fmt, ck.rounding
     groups = [tuple(g["members"]) for g in ck.groups]
-    weights = linear_weights(model, ck)
+    original = linear_weights(model, ck)
+    weights = smoothed_weights(original, smoothing)
     if salience is not None:
         lacking = [g[0] for g in groups if g[0] not in salience]
         if lacking:
@@ -459,7 +539,11 @@ def evaluate(
         x = cap.inputs(g).to(device)
         packed = {m: packed_all[m] for m in g}
         sal = salience.get(g[0]) if salience else None
-        accs = group_nmse(x, weights, packed, fmt, rounding, sal, sweep if sal is not None else ())
+        smooth = smoothing.scale_for(g) if smoothing is not None else None
+        accs = group_nmse(
+            x, original, packed, fmt, rounding, sal, sweep if sal is not None else (), smooth=smooth, packed_weights=weights,
+            row_scales={m: smoothing.row_scale(m) for m in g} if smoothing is not None else None,
+        )
         for m in g:
             row = {"module": m, "ratio": packed[m].ratio, "mode": packed[m].mode, "tokens": int(x.shape[0])}
             for k, a in accs[m].items():
@@ -471,18 +555,20 @@ def evaluate(
         if progress:
             progress("linear-output NMSE", 1, len(groups))
 
-    # 3. Emulated perplexity.
+    # 3. Emulated perplexity (an AWQ checkpoint's smoothed norms and biases in place).
     cache: dict = {}
-    for mode in ("plain", "checkpoint", "full"):
-        with emulated(model, ck, mode, packed_all, cache):
-            tick = (lambda: progress(f"perplexity ({mode})", 1, len(batches))) if progress else None
-            ppl[mode] = _forward_nll(model, batches, device, tick=tick)
+    smoothed = smoothing.applied(model) if smoothing is not None else nullcontext()
+    with smoothed:
+        for mode in ("plain", "checkpoint", "full"):
+            with emulated(model, ck, mode, packed_all, cache):
+                tick = (lambda: progress(f"perplexity ({mode})", 1, len(batches))) if progress else None
+                ppl[mode] = _forward_nll(model, batches, device, tick=tick)
     kv_report = None
     if kv_scales:
         # The KV cache quantized with the stored scales, alone and with the checkpoint's linears.
         tick = (lambda: progress("perplexity (KV cache)", 1, 2 * len(batches))) if progress else None
         ppl["bf16_kv"] = _forward_nll(model, batches, device, tick=tick, kv=KVQuantizer(model, kv_scales, ck.kv_cache, emulate=True))
-        with emulated(model, ck, "checkpoint", packed_all, cache):
+        with (smoothing.applied(model) if smoothing is not None else nullcontext()), emulated(model, ck, "checkpoint", packed_all, cache):
             ppl["checkpoint_kv"] = _forward_nll(model, batches, device, tick=tick, kv=KVQuantizer(model, kv_scales, ck.kv_cache, emulate=True))
         kv_report = {"format": ck.kv_cache, "scale": f"amax / {SCALE_DIVISOR:g}", "point": POINT, **kv_measure.nmse()}
 
@@ -502,6 +588,7 @@ def evaluate(
         "tokens_scored": int(sum(int(b["attention_mask"].sum()) for b in batches)),
         "nmse_tokens_per_layer": min(r["tokens"] for r in layers),
         "model_dtype": str(dtype).removeprefix("torch."),
+        "weight_algo": "awq" if smoothing is not None else "rtn",
         "weights_match_reference": True if check_weights else None,
         "nmse": {
             "pooled": pooled,
@@ -618,8 +705,13 @@ def verify(
     hf_logging.disable_progress_bar()  # verify shows its own progress; an error stays one line
     net = modelio.load_model(model_dir, dtype).to(dev)
     stats = load_stats(Path(calib)) if calib is not None else None
+    smoothing = checkpoint_smoothing(ck, Path(calib) if calib is not None else None)
     if check_weights:
-        check_weights_match(ck, linear_weights(net, ck), stats, model=modelio.model_label(model), progress=progress)
+        weights = smoothed_weights(linear_weights(net, ck), smoothing)
+        check_weights_match(ck, weights, stats, model=modelio.model_label(model), progress=progress)
+        del weights
+        if smoothing is not None:
+            check_smoothed_tensors(ck, net, smoothing)
         if calib is not None:
             check_kv_scales(ck, Path(calib))
     tok = modelio.load_tokenizer(model_dir)
@@ -641,7 +733,9 @@ def verify(
         salience = {m: v["mean_abs"] for m, v in collected.items()}
         selection = f"salience from 16 samples (seed {seed + 1}) of {source} (seq_len {seq_len})"
 
-    report = evaluate(net, ck, batches, salience, device=dev, max_tokens=max_tokens, check_weights=False, progress=progress)
+    report = evaluate(
+        net, ck, batches, salience, device=dev, max_tokens=max_tokens, check_weights=False, progress=progress, smoothing=smoothing
+    )
     report = {
         "checkpoint": str(ckpt),
         "model": modelio.model_label(model),

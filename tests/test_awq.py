@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fixtures.tiny import make_model
+from fixtures.tiny import make_model, randomized
 
 from resserve_export import awq, modelio
 from resserve_export.formats import qdq
@@ -13,20 +13,17 @@ from test_calibrate import make_llama
 from test_kvcache import make_gemma3
 
 
-def make_mha_qwen2(path):
+def make_mha_qwen2(path, dtype=torch.float32, **overrides):
     """Multi-head attention (as many value heads as query heads, so o_proj folds into v_proj)
-    and Qwen2's q/k/v biases."""
+    and Qwen2's q/k/v biases (random). `overrides`: config fields."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                      vocab_size=256, max_position_embeddings=128)
-    model = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith("bias"):
-                p.normal_(0, 0.1)
-    model.save_pretrained(path)
+    cfg = Qwen2Config(**{
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "vocab_size": 256, "max_position_embeddings": 128, **overrides,
+    })
+    randomized(Qwen2ForCausalLM(cfg).to(dtype), "bias", 0.1).save_pretrained(path)
     return path
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures.tiny import make_calibration, make_model
+from fixtures.tiny import make_calibration, make_model, randomized
 from safetensors.torch import load_file, save_file
 
 from resserve_export import calibrate as cal
@@ -31,23 +31,18 @@ from test_exit_codes import assert_one_line_error, leftovers, run
 # ----------------------------------------------------------------------------- models
 
 
-def make_gemma3(path: Path) -> Path:
+def make_gemma3(path: Path, **overrides) -> Path:
     """A tiny Gemma 3 text model: q/k norms (``1 + weight``), sliding and global layers with
-    their own rotary embeddings."""
+    their own rotary embeddings; random norms. `overrides`: config fields."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
-    cfg = Gemma3TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, sliding_window=8,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-    )
-    model = Gemma3ForCausalLM(cfg).to(torch.bfloat16)
-    with torch.no_grad():  # random norms, so that the k-norm matters
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
-                p.normal_(0, 0.5)
-    model.save_pretrained(path)
+    cfg = Gemma3TextConfig(**{
+        "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 256, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"], **overrides,
+    })
+    randomized(Gemma3ForCausalLM(cfg).to(torch.bfloat16), "norm.weight", 0.5).save_pretrained(path)
     return path
 
 

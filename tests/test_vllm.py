@@ -259,6 +259,22 @@ def test_resserve_perplexity_below_plain_w4a4(env):
         assert comp_ppl < plain_ppl
 
 
+def test_awq_checkpoint_in_stock_vllm_and_resserve_method(env):
+    """An AWQ + K-Ext checkpoint (``calibrate --weight-algo awq``, ρ = 0.25): stock vLLM serves it
+    as plain W4A4 and the resserve method with compensation, each generating the greedy tokens of
+    the reference built from the smoothed model (its norms and weights smoothed in bf16, as pack
+    stores them) and matching its logprobs."""
+    calib = C.calibrate_awq(env["md"], env["work"] / "calib-awq")
+    path = C.pack(env["md"], calib, env["work"] / "nvfp4-awq-r0.25", "nvfp4", 0.25)
+    assert json.loads((path / "config.json").read_text())["quantization_config"]["resserve"]["provenance"]["weight_algo"]["name"] == "awq"
+    for method, extra, ratio, arithmetic in (("stock", STOCK, 0.0, "vllm"), ("resserve", PLUGIN, 0.25, "fp32")):
+        run = engine(env, f"nvfp4-awq-r0.25-{method}", path, extra, stock_fp32=method == "stock", score=True)
+        assert run["quantization"] == ("modelopt_fp4_admit_fp32" if method == "stock" else "resserve")
+        ref = C.smoothed_reference(env["md"], calib, "nvfp4", ratio, arithmetic=arithmetic, decode_rows=DECODE_ROWS, attention="vllm-cpu")
+        check_tokens(run, [C.greedy(ref, p, 32) for p in env["prompts"]], f"NVFP4 AWQ rho=0.25, {method} method")
+        check_scores(env, run, ref, f"NVFP4 AWQ rho=0.25, {method} method")
+
+
 def test_resserve_method_serves_mxfp4(env):
     """The resserve method over a compressed-tensors MXFP4 checkpoint (ρ = 0.25): the compensated
     reference's tokens and logprobs, and a held-out perplexity below stock vLLM's plain MXFP4."""

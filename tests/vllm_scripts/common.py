@@ -97,6 +97,36 @@ def calibrate(model, tokenizer, mdir: Path, out: Path, num_samples: int = 8, seq
     return out
 
 
+def calibrate_awq(mdir: Path, out: Path, num_samples: int = 8, seq_len: int = 256) -> Path:
+    """An AWQ calibration directory written by `calibrate --weight-algo awq` itself (no scores)."""
+    from resserve_export import api
+
+    if not (out / "calibration.json").exists():
+        api.calibrate(str(mdir), out, config="quick", num_samples=num_samples, seq_len=seq_len, scores="none", device="cpu",
+                      weight_algo="awq", progress=False)
+    return out
+
+
+def smoothed_reference(
+    model_dir_: Path, calib: Path, fmt: str, ratio: float, *, arithmetic: str, decode_rows: int | None, attention: str = "hf"
+):
+    """`reference` of an AWQ calibration: the model smoothed in its checkpoint dtype (bf16, as
+    `pack` smooths the source tensors), then in FP32 with emulated linears."""
+    import json
+
+    from reference import emulate_model, load_salience
+
+    from resserve_export import awq, modelio
+
+    model = modelio.load_model(model_dir_, dtype="bfloat16")
+    meta = json.loads((Path(calib) / "calibration.json").read_text())
+    awq.Smoothing.from_calibration(calib, meta).apply_to_model(model)
+    model = model.float()
+    return emulate_model(
+        model, load_salience(calib), fmt, ratio, arithmetic=arithmetic, decode_rows=decode_rows, attention=attention
+    )
+
+
 def pack(mdir: Path, calib: Path, out: Path, fmt: str, ratio: float, kv_cache: str = "none") -> Path:
     from resserve_export.pack import pack as run_pack
 
