@@ -14,7 +14,10 @@ includes hashing the whole source once, as a pack on a machine that did not cali
 
 and prints a Markdown table: seconds, GB/s of bf16 source, peak RSS, ratio to the peers.
 
-  .venv/bin/python bench/pack.py [--layers 36] [--ratios 0,0.25] [--device cpu]
+  .venv/bin/python bench/pack.py [--layers 36] [--ratios 0,0.25] [--device cpu] [--depth N]
+
+``--depth N`` runs `ours` with ``RESSERVE_PACK_DEPTH=N`` (0: read, quantize and write one after
+another on one thread; default: the pipelined pack's own depth).
 """
 
 from __future__ import annotations
@@ -222,6 +225,7 @@ def main() -> None:
     ap.add_argument("--ratios", default="0,0.25")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--skip", default="", help="comma list of peers to skip: modelopt,io,fingerprint")
+    ap.add_argument("--depth", type=int, default=None, help="RESSERVE_PACK_DEPTH for ours (0: serial; default: pack's own)")
     ap.add_argument("--child", choices=["ours", "modelopt", "io", "fingerprint"], help=argparse.SUPPRESS)
     ap.add_argument("--ratio", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -243,13 +247,16 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--layers", str(args.layers), "--child", kind, "--device", args.device]
         if ratio is not None:
             cmd += ["--ratio", str(ratio)]
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        env = dict(os.environ)
+        if args.depth is not None and kind == "ours":
+            env["RESSERVE_PACK_DEPTH"] = str(args.depth)
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
         if p.returncode or not line:
             print(p.stderr[-3000:], file=sys.stderr)
             raise SystemExit(f"{kind} failed")
         r = json.loads(line[-1][7:])
-        label = kind if ratio is None else f"ours NVFP4 ρ={ratio:g}"
+        label = kind if ratio is None else f"ours NVFP4 ρ={ratio:g}" + (f" depth {args.depth}" if args.depth is not None else "")
         results[label] = r
         print(
             f"{label}: {r['seconds']:.1f} s wall, {r['cpu_s']:.1f} s CPU, {src / 1e9 / r['seconds']:.3f} GB/s, "

@@ -230,9 +230,29 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
         forward_backward(model, batches)
 
     t_floor, _ = timed(fwd_bwd)
-    grad = {}
+
+    def scored(prec):
+        return lambda: S.compute_scores(model, batches, stats, groups, "grad", candidates=cands, show_progress=False, precision=prec)
+
+    grad, runs = {}, {}
     for prec in ("bf16", "fp32"):
-        grad[prec], _ = timed(lambda prec=prec: S.compute_scores(model, batches, stats, groups, "grad", candidates=cands, show_progress=False, precision=prec))
+        grad[prec], runs[prec] = timed(scored(prec))
+    # The bf16 path as it was before its Triton kernels (`scores.fused`): eager reductions and
+    # operands, for the time and as the reference the kernels' scores are compared with.
+    from resserve_export.scores import fused
+
+    real = fused.available
+    fused.available = lambda device: False
+    try:
+        grad["eager"], runs["eager"] = timed(scored("bf16"))
+    finally:
+        fused.available = real
+
+    def moved(a, b):
+        """Largest relative difference between two scores.json records, over (group, ratio)."""
+        return max(abs(x - y) / max(abs(y), 1e-30) for ga, gb in zip(a["groups"], b["groups"]) for x, y in zip(ga["scores"].values(), gb["scores"].values()))
+
+    kernels = fused.available(torch.device(dev))
     name = torch.cuda.get_device_name(0) if dev == "cuda" else "cpu"
     # The bf16 path's base product: two GEMMs with FP32 outputs where torch runs them, else one
     # GEMM of width 3K (`scores.Candidates.prepare_fast`).
@@ -250,8 +270,13 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
         f"| calibration pass (`calibrate.collect`) | {t_calib:.3f} | 1.00 |",
         f"| forward + backward of the loss alone, no score hooks | {t_floor:.3f} | {t_floor / t_calib:.2f} |",
         f"| **grad scores, `precision=bf16` (the default for bf16 models)** | {grad['bf16']:.3f} | **{grad['bf16'] / t_calib:.2f}** |",
+        f"| grad scores, bf16, eager reductions and operands (no Triton kernels: the path before) | {grad['eager']:.3f} | {grad['eager'] / t_calib:.2f} |",
         f"| grad scores, `precision=fp32` (FP32 emulation) | {grad['fp32']:.3f} | {grad['fp32'] / t_calib:.2f} |",
         f"| one-off weight quantization of every candidate | {t_build:.3f} | {t_build / t_calib:.2f} |",
+        "",
+        f"Triton kernels {'used' if kernels else 'NOT available (the bf16 rows ran eagerly)'}. Largest relative difference over "
+        f"{len(groups) * len(RATIOS)} (group, ratio) scores against the eager bf16 path: {moved(runs['bf16'], runs['eager']):.2e} "
+        "(stated tolerance 2e-4: the same FP32 products summed in another order).",
     ]
 
 

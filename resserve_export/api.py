@@ -140,19 +140,24 @@ def restoring_process_state():
 # ----------------------------------------------------------------------------- the steps
 
 
-def calibrate(model: str, out: str | os.PathLike, *, config: str | None = None, overwrite: bool = False, progress: bool = True, **settings) -> CalibrationResult:
+def calibrate(
+    model: str, out: str | os.PathLike, *, config: str | None = None, overwrite: bool = False, progress: bool = True, resume: bool = False,
+    **settings,
+) -> CalibrationResult:
     """Salience, amax and (by default grad) planner scores of `model` into the directory `out`.
 
     `config`: a preset name (``paper``, ``quick``) or YAML file; `settings` override it (any
     field of `calibrate.CalibConfig`: ``dataset``, ``num_samples``, ``seq_len``, ``batch_size``,
     ``seed``, ``device``, ``dtype``, ``scores``, ``score_samples``, ``score_precision``,
-    ``format``, ``mx_scale``).
+    ``format``, ``mx_scale``, ``weight_algo`` (``rtn`` or ``awq``), ``awq_tokens``, ``pipeline``
+    (``auto``, ``whole`` or ``sequential``)). `resume`: continue an interrupted layer-by-layer
+    (sequential) run of the same `out` from its last resume point.
     """
     from . import calibrate as cal
 
     with restoring_process_state():
         cfg = cal.make_config(config, **settings)
-        return cal.calibrate(model, Path(out), cfg, overwrite=overwrite, show_progress=progress)
+        return cal.calibrate(model, Path(out), cfg, overwrite=overwrite, show_progress=progress, resume=resume)
 
 
 def plan(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import json
+import math
 import os
 import platform
 import shutil
@@ -89,9 +90,12 @@ class CalibConfig:
     score_precision: str = "auto"
     format: str = "nvfp4"
     mx_scale: str = "ceil"
+    weight_algo: str = "rtn"
+    awq_tokens: int = 2048
+    pipeline: str = "auto"
 
     def validate(self) -> CalibConfig:
-        for name in ("num_samples", "seq_len", "batch_size", "score_samples"):
+        for name in ("num_samples", "seq_len", "batch_size", "score_samples", "awq_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
@@ -112,6 +116,12 @@ class CalibConfig:
             raise UserError(f"--score-precision must be one of {', '.join(SCORE_PRECISIONS)}, got {self.score_precision!r}")
         if self.dtype not in DTYPES:
             raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        from .awq import check_weight_algo
+        from .sequential import PIPELINES
+
+        check_weight_algo(self.weight_algo)
+        if self.pipeline not in PIPELINES:
+            raise UserError(f"--pipeline must be one of {', '.join(PIPELINES)}, got {self.pipeline!r}")
         return self
 
 
@@ -193,11 +203,14 @@ class StatsCollector:
     # GPU token reduction: "norm" (fused |x| in the reduction kernels) or "abs" (|x| materialised).
     gpu_reduction = "norm"
 
-    def __init__(self, model, groups: list[Group]):
+    def __init__(self, model, groups: list[Group], keep_batches: bool = False):
         import torch
 
         self._torch = torch
         self.groups = groups
+        # Every batch's partial sums too (data-parallel ranks: see `distributed`).
+        self.keep_batches = keep_batches
+        self._batches: list[list] = [[] for _ in groups]
         modules = dict(model.named_modules())
         self._sum: list = [None] * len(groups)
         self._amax: list = [None] * len(groups)
@@ -209,6 +222,7 @@ class StatsCollector:
         self._handles = []
         self._cpu_buf: dict = {}
         self._cpu_ones: dict = {}
+        self.paused = False  # hooks do nothing while set (the sequential pipeline's score batches)
         for gi, g in enumerate(groups):
             head = g.modules[0]
             if head not in modules:
@@ -279,6 +293,8 @@ class StatsCollector:
         name = self.groups[gi].modules[0]
 
         def hook(module, args):
+            if self.paused:
+                return None
             x = args[0]
             if self._first_call[gi] is None:
                 self._first_call[gi] = self._calls
@@ -307,6 +323,8 @@ class StatsCollector:
                     a = xf.abs()
                     s = a.sum(0, dtype=acc)
                     m = a.amax()
+                if self.keep_batches:
+                    self._batches[gi].append(s.detach().to("cpu", copy=True))
                 if self._sum[gi] is None:
                     self._sum[gi] = s.to(torch.float64)
                     self._amax[gi] = m.float()
@@ -319,6 +337,13 @@ class StatsCollector:
 
     def end_batch(self) -> None:
         """Count the batch's tokens and stop at the first layer that saw NaN/Inf activations."""
+        self.check_finite()
+        self.check_all_ran()
+        self.num_tokens += self._batch_tokens
+        self._mask = None
+
+    def check_finite(self) -> None:
+        """Stop at the first layer (in forward order) whose activations so far hold NaN/Inf."""
         torch = self._torch
         by_device: dict = {}
         for gi, a in enumerate(self._amax):
@@ -334,11 +359,32 @@ class StatsCollector:
                 f"non-finite (NaN/Inf) activations reach {self.groups[first].modules[0]} (the first layer that saw them): "
                 "the model's weights or dtype overflow; try --dtype float32 or check the checkpoint"
             )
+
+    def check_all_ran(self) -> None:
         missing = [self.groups[gi].modules[0] for gi, s in enumerate(self._sum) if s is None]
         if missing:
             raise UserError(f"linear {missing[0]} never ran in the forward pass: the model does not use it; it cannot be calibrated")
-        self.num_tokens += self._batch_tokens
-        self._mask = None
+
+    def state(self) -> dict:
+        """The accumulators so far, on the CPU (a resume point of the sequential pipeline)."""
+        cpu = lambda xs: [None if x is None else x.detach().to("cpu", copy=True) for x in xs]  # noqa: E731
+        return {"sum": cpu(self._sum), "amax": cpu(self._amax), "first_call": list(self._first_call), "calls": self._calls}
+
+    def restore(self, state: dict, device) -> None:
+        """Continue from `state` (of :meth:`state`), the accumulators on `device`: the same values,
+        so the following additions give the bits an uninterrupted run gives."""
+        on = lambda xs: [None if x is None else x.to(device) for x in xs]  # noqa: E731
+        self._sum, self._amax = on(state["sum"]), on(state["amax"])
+        self._first_call, self._calls = list(state["first_call"]), state["calls"]
+
+    def parts(self) -> dict:
+        """What a data-parallel rank hands rank 0: every batch's partial sums per group (needs
+        ``keep_batches``), the groups' amax and the token count (`distributed.merge_stats`)."""
+        return {
+            "sums": self._batches,
+            "amax": [None if a is None else a.to("cpu", self._torch.float32) for a in self._amax],
+            "tokens": self.num_tokens,
+        }
 
     def result(self) -> dict[str, dict]:
         """``{module: {"mean_abs": float32 [K], "amax": float32 0-d}}`` for every group member (CPU)."""
@@ -377,17 +423,18 @@ def input_device(model):
 
 
 def collect(
-    model, batches: list[dict], groups: list[Group], progress: Callable[[int, int], None] | None = None, kv=None
+    model, batches: list[dict], groups: list[Group], progress: Callable[[int, int], None] | None = None, kv=None, parts: bool = False
 ) -> tuple[dict, int]:
     """Run ``batches`` through ``model`` with the statistics hooks. Returns (stats, num_tokens).
 
     `kv`: a `kvcache.KVCollector` that also sees every batch (through the KV cache the forward
-    pass then fills)."""
+    pass then fills). `parts`: return `StatsCollector.parts()` (a data-parallel rank's share)
+    instead of the statistics."""
     import torch
 
     dev = input_device(model)
     kw = forward_kwargs(model)
-    with StatsCollector(model, groups) as col, torch.inference_mode():
+    with StatsCollector(model, groups, keep_batches=parts) as col, torch.inference_mode():
         for b in batches:
             col.set_mask(b["attention_mask"])
             extra = {}
@@ -400,6 +447,8 @@ def collect(
                 kv.end_batch()
             if progress is not None:
                 progress(int(b["input_ids"].shape[0]), int(b["attention_mask"].sum()))
+        if parts:
+            return col.parts(), col.num_tokens
         return col.result(), col.num_tokens
 
 
@@ -449,8 +498,10 @@ def calibrate(
     overwrite: bool = False,
     show_progress: bool = True,
     on_batch: Callable[[int], None] | None = None,
+    resume: bool = False,
 ) -> CalibrationResult:
-    """The whole command: resolve the model, sample the data, collect statistics, write ``out`` atomically."""
+    """The whole command: resolve the model, sample the data, collect statistics, write ``out``
+    atomically. `resume`: continue an interrupted layer-by-layer run of the same ``out``."""
     from . import data, kvcache, modelio
 
     t0 = time.perf_counter()
@@ -472,20 +523,388 @@ def calibrate(
     samples = data.make_samples(tokenizer, docs, config.num_samples, config.seq_len, config.seed)
     batches = data.batches(samples, config.batch_size, data.pad_id(tokenizer))
 
+    from .distributed import world_size
+
+    ranks = None
+    if world_size() > 1:
+        if resume:
+            raise UserError("--resume does not run under torchrun: run it in one process")
+        if config.scores == "kl":
+            raise UserError("--scores kl does not run under torchrun: use --scores grad, or one process")
+        from dataclasses import replace
+
+        from .distributed import Ranks
+
+        ranks = Ranks.start(config.device)
+        config = replace(config, device=ranks.device(config.device))
+    pipeline = choose_pipeline(config, shapes)
+    if ranks is not None:
+        pipeline = ranks.broadcast(pipeline)  # auto: rank 0's choice (free memory differs by device)
+    if resume and pipeline != "sequential":
+        raise UserError("--resume continues a layer-by-layer run: pass --pipeline sequential with the interrupted run's settings")
+    samples_sha256, versions_ = data.samples_digest(samples), versions()
+    # The sequential pipeline does not smooth (AWQ needs the whole model).
+    smoothing, weight_algo = None, {"name": "rtn"}
+    if ranks is not None and pipeline == "sequential":
+        got = _collect_ranks_sequential(ranks, model_dir, out, config, batches, show_progress and ranks.rank == 0)
+        stats, num_tokens, kv_stats, kv_problem, groups, scores = got
+    elif ranks is not None:
+        got = _collect_ranks(ranks, model_dir, config, batches, shapes, show_progress and ranks.rank == 0)
+        stats, num_tokens, kv_stats, kv_problem, groups, smoothing, weight_algo, scores = got
+    elif pipeline == "sequential":
+        key = {"fingerprint": fingerprint, "samples_sha256": samples_sha256, "versions": versions_}
+        key.update({k: v for k, v in asdict(config).items() if k != "pipeline"})
+        stats, num_tokens, kv_stats, kv_problem, groups, scores = _collect_sequential(
+            model_dir, out, config, batches, show_progress, on_batch, key, resume
+        )
+    else:
+        stats, num_tokens, kv_stats, kv_problem, groups, smoothing, weight_algo, scores = _collect_whole(
+            model_dir, out, config, batches, shapes, show_progress, on_batch
+        )
+    if scores is not None:
+        scores["fingerprint"] = fingerprint
+
+    record = {
+        "model": modelio.model_label(model),
+        "model_dir": str(model_dir),
+        "fingerprint": fingerprint,
+        "fingerprint_method": modelio.FINGERPRINT_METHOD,
+        "dataset": config.dataset,
+        "num_samples": len(samples),
+        "num_tokens": num_tokens,
+        "seq_len": config.seq_len,
+        "batch_size": config.batch_size,
+        "seed": config.seed,
+        "samples_sha256": samples_sha256,
+        "dtype": config.dtype,
+        "device": config.device,
+        "scores": config.scores,
+        "versions": versions_,
+        "groups": [list(g.modules) for g in groups],
+        "pipeline": pipeline,
+        "weight_algo": weight_algo,
+        "kv_cache": (
+            {"file": kvcache.FILE, "point": kvcache.POINT, "layers": len(kv_stats)}
+            if kv_stats is not None
+            else {"file": None, "why_not": kv_problem}
+        ),
+        "config": asdict(config),
+    }
+
+    def write(tmp: Path) -> None:
+        save_stats(stats, tmp / "salience.safetensors")
+        if smoothing is not None:
+            smoothing.save(tmp / weight_algo["file"])
+        if kv_stats is not None:
+            kvcache.save(kv_stats, tmp / kvcache.FILE)
+        if scores is not None:
+            (tmp / "scores.json").write_text(json.dumps(scores, indent=2) + "\n")
+        record["wall_time_s"] = round(time.perf_counter() - t0, 3)
+        (tmp / "calibration.json").write_text(json.dumps(record, indent=2) + "\n")
+
+    if ranks is None:
+        path = write_dir_atomic(out, write, overwrite)
+    else:
+        record["data_parallel"] = {"ranks": ranks.size, "backend": ranks.backend}
+        err = None
+        if ranks.rank == 0:
+            try:
+                path = write_dir_atomic(out, write, overwrite)
+            except BaseException as e:  # reported by rank 0; the others stop with one line
+                err = e
+        ranks.agree(err)
+        path = out
+        record = ranks.broadcast(record)
+        ranks.close()
+    return CalibrationResult(
+        path, record["model"], fingerprint, [tuple(g) for g in record["groups"]], record["num_samples"], num_tokens,
+        config.scores, record["wall_time_s"], record,
+    )
+
+
+def _source_dtypes(shapes) -> dict:
+    """``{module: torch dtype}`` of every floating-point source weight (what `pack` will store it in)."""
+    from .checkpoint import DTYPES
+
+    return {
+        n[: -len(".weight")]: DTYPES[d][0] for n, (d, _) in shapes.items() if n.endswith(".weight") and d in DTYPES and DTYPES[d][0].is_floating_point
+    }
+
+
+def choose_pipeline(config: CalibConfig, shapes) -> str:
+    """``whole`` or ``sequential`` for ``--pipeline`` (``auto``: sequential when the weights do not
+    fit the devices the whole model would use, and only for what sequential supports)."""
+    if config.pipeline == "sequential":
+        if config.scores == "kl":
+            raise UserError("--pipeline sequential computes --scores grad or none, not kl: use --scores grad, or --pipeline whole")
+        if config.weight_algo != "rtn":
+            raise UserError("--weight-algo awq needs --pipeline whole for now")
+        return "sequential"
+    if config.pipeline == "whole" or config.scores == "kl" or config.weight_algo != "rtn":
+        return "whole"
+    import torch
+
+    from .modelio import parse_device
+
+    # The loaded model's bytes: every tensor in the load dtype.
+    bytes_ = sum(math.prod(shape) for _, shape in shapes.values()) * getattr(torch, config.dtype).itemsize
+    d = parse_device(config.device)
+    if d == "cpu" or not torch.cuda.is_available():
+        from .sequential import available_memory
+
+        room = available_memory()
+    elif d == "auto":
+        room = sum(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
+    else:
+        room = torch.cuda.mem_get_info(torch.device(d))[0]
+    return "whole" if bytes_ < 0.8 * room else "sequential"
+
+
+def model_groups_of(net, model_dir) -> list[Group]:
+    """The decision groups of a loaded (or weightless) model's ``nn.Linear`` modules."""
+    linears = {n: (m.out_features, m.in_features) for n, m in net.named_modules() if _is_linear(m)}
+    check_in_features(linears)
+    experts = expert_modules([n for n in linears if is_quantized(n)])
+    if experts:
+        raise UserError(f"mixture-of-experts linears (e.g. {experts[0]}) are not supported yet: calibrate a dense model")
+    groups = group_linears(linears)
+    if not groups:
+        raise UserError(f"{model_dir} has no linear layers to quantize")
+    return groups
+
+
+def _sequential_groups(model_dir, config) -> tuple[list[Group], int]:
+    """The decision groups and the number of decoder layers, from the weightless model."""
+    from .sequential import decoder_layers, empty_model
+
+    shell = empty_model(model_dir, config.dtype)
+    return model_groups_of(shell, model_dir), len(decoder_layers(shell)[1])
+
+
+def _score_spec(config):
+    from .sequential import ScoreSpec
+
+    if config.scores != "grad":
+        return None
+    return ScoreSpec(list(RATIOS), config.format, config.mx_scale, config.score_precision, config.score_samples)
+
+
+def _collect_sequential(model_dir, out, config, batches, show_progress, on_batch, key, resume):
+    from .resume import ResumePoints
+    from .sequential import collect_sequential
+    from .ui import say
+
+    groups, n_layers = _sequential_groups(model_dir, config)
+    out.absolute().parent.mkdir(parents=True, exist_ok=True)
+    points = ResumePoints.open(out, {**key, "groups": [list(g.modules) for g in groups]}, resume, say=say)
+    spill = temp_sibling(out, "offload")
+    passes = n_layers * (2 if config.scores == "grad" else 1)
+    try:
+        with Progress("calibrating layer by layer", passes, unit="layer passes", enabled=show_progress) as bar:
+            done = [0]
+
+            def step(li: int, bi: int, n: int) -> None:
+                if bi == n - 1:
+                    bar.advance(1)
+                    done[0] += 1
+                    if on_batch is not None:
+                        on_batch(done[0])
+
+            spec = _score_spec(config)
+
+            def resumed(n: int) -> None:
+                bar.start_at(n)
+                done[0] = n
+
+            stats, num_tokens, kv_stats, kv_problem, scores = collect_sequential(
+                model_dir, config.device, config.dtype, batches, groups, spill, progress=step, scores=spec,
+                resume=points, on_resume=resumed,
+            )
+    except UserError:
+        points.finish()  # the same inputs would fail the same way
+        raise
+    except BaseException:
+        # Interrupted, killed by the system, out of memory, disk full, ...: the state stays.
+        where = points.where()
+        if where is None:
+            points.finish()  # nothing to continue from
+        else:
+            points.release()
+            say(f"note: the run can continue from its last resume point ({where}): rerun the same command with --resume")
+        raise
+    finally:
+        shutil.rmtree(spill, ignore_errors=True)
+    points.finish()
+    return stats, num_tokens, kv_stats, kv_problem, groups, scores
+
+
+def _collect_ranks_sequential(ranks, model_dir, out, config, batches, show_progress):
+    """One data-parallel rank of the sequential pipeline: the layer passes over its share of the
+    batches (and of the score samples), the statistics merged on rank 0 in global batch order
+    between the forward and the backward passes and sent back to every rank (the candidates
+    need them), then every score addition replayed on rank 0 in rank order: what one process
+    computes. Returns (stats, num_tokens, kv statistics, why none, groups, scores or None)."""
+    from .scores.batches import _take
+    from .sequential import collect_sequential
+
+    stage = [0]  # 0: before the merge; 1: in it (its agreement done); 2: after it
+
+    def combine(col, kvc):
+        stage[0] = 1
+        ranks.agree(None)
+        merged = _merge_ranks(ranks, groups, col.parts(), kvc.result(), kvc.problem)
+        stage[0] = 2
+        return merged
+
+    spec, log, spill, groups = _score_spec(config), {"adds": [], "tokens": 0}, None, []
+    try:
+        import torch
+
+        groups, n_layers = _sequential_groups(model_dir, config)
+        mine = ranks.share(batches)
+        if not mine:
+            raise UserError(f"{len(batches)} batches for {ranks.size} ranks: use more --num-samples or fewer ranks")
+        score_mine, samples = None, 0
+        if spec is not None:
+            every = _take(batches, spec.samples, torch.device(config.device))
+            samples = sum(int(b["input_ids"].shape[0]) for b in every)
+            score_mine = ranks.share(every)
+            if not score_mine:
+                spec = None  # this rank adds nothing to the scores
+        out.absolute().parent.mkdir(parents=True, exist_ok=True)
+        spill = temp_sibling(out, "offload")
+        passes = n_layers * (2 if spec is not None else 1)
+        with Progress(f"calibrating layer by layer ({ranks.size} ranks)", passes, unit="layer passes", enabled=show_progress) as bar:
+
+            def step(li: int, bi: int, n: int) -> None:
+                if bi == n - 1:
+                    bar.advance(1)
+
+            stats, num_tokens, kv_stats, kv_problem, local = collect_sequential(
+                model_dir, config.device, config.dtype, mine, groups, spill, progress=step, scores=spec,
+                score_batches=score_mine, combine=combine, score_log=log,
+            )
+    except BaseException as e:
+        if stage[0] != 1:
+            ranks.agree(e)  # raises: this rank's error here, a one-line one on the others
+        raise
+    finally:
+        if spill is not None:
+            shutil.rmtree(spill, ignore_errors=True)
+    ranks.agree(None)
+    scores = _replay_scores(ranks, groups, log, local, samples, config) if config.scores == "grad" else None
+    return stats, num_tokens, kv_stats, kv_problem, groups, scores
+
+
+def _merge_ranks(ranks, groups, parts: dict, kv_stats, kv_problem) -> tuple:
+    """Every rank's statistics (`StatsCollector.parts()`) and KV statistics, merged on rank 0 in
+    one-process order (`distributed.merge_stats` / `merge_kv`) and sent to every rank: (stats,
+    num_tokens, kv statistics, why none). A merge error is raised on every rank."""
+    from .distributed import merge_kv, merge_stats
+
+    gathered = ranks.gather((parts, kv_stats, kv_problem))
+    merged = None
+    if ranks.rank == 0:
+        try:
+            every = [g[0] for g in gathered]
+            merged = ("ok", merge_stats(every, groups), sum(p["tokens"] for p in every), merge_kv([g[1] for g in gathered]),
+                      next((g[2] for g in gathered if g[2]), None))
+        except UserError as e:
+            merged = ("error", str(e))
+    merged = ranks.broadcast(merged)
+    if merged[0] == "error":
+        raise UserError(merged[1])
+    return merged[1:]
+
+
+def _replay_scores(ranks, groups, log: dict, local: dict | None, samples: int, config) -> dict | None:
+    """The grad scores record of one process, on rank 0 (None elsewhere): every rank's score
+    additions (`log`) replayed in rank order, over all ranks' loss tokens."""
+    from .scores import scores_record
+    from .scores.grad import ScoreSums
+
+    logs = ranks.gather({**log, "precision": local["precision"] if local else None, "seconds": local["wall_time_s"] if local else 0.0})
+    if ranks.rank != 0:
+        return None
+    return scores_record(
+        ScoreSums.replay(logs).normalised(groups, list(RATIOS), sum(x["tokens"] for x in logs)), groups, list(RATIOS), "grad",
+        samples, config.format, config.mx_scale, next((x["precision"] for x in logs if x["precision"]), config.score_precision),
+        max(x["seconds"] for x in logs),
+    )
+
+
+def _collect_ranks(ranks, model_dir, config, batches, shapes, show_progress):
+    """One data-parallel rank of the whole-model pipeline (see `distributed`): statistics of
+    its share of the batches, merged on rank 0 in global batch order and sent back to every
+    rank; then grad scores of its share of the score samples, replayed on rank 0. Returns what
+    `_collect_whole` returns (stats and scores as one process would compute them)."""
+    import torch
+
+    from . import kvcache, modelio
+
+    err, net = None, None
+    try:
+        net = modelio.load_model_on(model_dir, config.device, config.dtype)
+        groups = model_groups_of(net, model_dir)
+        # Every rank searches the same rows (the first of all batches) and gets the same scales.
+        smoothing, weight_algo = _smooth(net, batches, groups, config, shapes, show_progress)
+        mine = ranks.share(batches)
+        with Progress(f"calibrating ({ranks.size} ranks)", len(mine), unit="batches", enabled=show_progress) as bar:
+            kv = kvcache.KVCollector(net)
+            parts, _ = collect(net, mine, groups, lambda n, t: bar.advance(1), kv=kv, parts=True)
+            kv_local = kv.result()
+    except BaseException as e:
+        err = e
+    ranks.agree(err)
+    stats, num_tokens, kv_stats, kv_problem = _merge_ranks(ranks, groups, parts, kv_local, kv.problem)
+    scores = None
+    if config.scores == "grad":
+        from .scores import compute_scores
+        from .scores.batches import _take
+
+        err, log = None, {"adds": [], "tokens": 0}
+        try:
+            score_batches = _take(batches, config.score_samples, torch.device(config.device))
+            mine = ranks.share(score_batches)
+            local = compute_scores(
+                net, mine, stats, groups, "grad", list(RATIOS), config.format, None, rounding=config.mx_scale,
+                show_progress=show_progress, precision=config.score_precision, log=log,
+            ) if mine else None
+        except BaseException as e:
+            err = e
+        ranks.agree(err)
+        scores = _replay_scores(ranks, groups, log, local, sum(int(b["input_ids"].shape[0]) for b in score_batches), config)
+    return stats, num_tokens, kv_stats, kv_problem, groups, smoothing, weight_algo, scores
+
+
+def _smooth(net, batches, groups, config, shapes, show_progress):
+    """With ``--weight-algo awq``: search the scales on `net` and smooth it in place, so that
+    everything collected afterwards (salience, amax, KV statistics, scores) describes the
+    smoothed model. Returns (the `awq.Smoothing` or None, calibration.json's record)."""
+    if config.weight_algo != "awq":
+        return None, {"name": "rtn"}
+    from .awq import plan_folds, search_smoothing
+
+    with Progress("AWQ scale search", len(plan_folds(net)), unit="groups", enabled=show_progress) as bar:
+        smoothing, record = search_smoothing(
+            net, batches, groups, config.format, config.mx_scale, config.awq_tokens, progress=lambda: bar.advance(1),
+            dtypes=_source_dtypes(shapes),
+        )
+    smoothing.apply_to_model(net)
+    return smoothing, record
+
+
+def _collect_whole(model_dir, out, config, batches, shapes, show_progress, on_batch):
+    from . import kvcache, modelio
+
     offload = None
     try:
         if config.device == "auto":
             out.absolute().parent.mkdir(parents=True, exist_ok=True)
             offload = temp_sibling(out, "offload")
         net = modelio.load_model_on(model_dir, config.device, config.dtype, offload_folder=offload)
-        linears = {n: (m.out_features, m.in_features) for n, m in net.named_modules() if _is_linear(m)}
-        check_in_features(linears)
-        experts = expert_modules([n for n in linears if is_quantized(n)])
-        if experts:
-            raise UserError(f"mixture-of-experts linears (e.g. {experts[0]}) are not supported yet: calibrate a dense model")
-        groups = group_linears(linears)
-        if not groups:
-            raise UserError(f"{model_dir} has no linear layers to quantize")
+        groups = model_groups_of(net, model_dir)
+        smoothing, weight_algo = _smooth(net, batches, groups, config, shapes, show_progress)
 
         total = sum(int(b["input_ids"].shape[0]) for b in batches)
         with Progress("calibrating", total, unit="samples", rate_unit="tok", enabled=show_progress) as bar:
@@ -509,50 +928,10 @@ def calibrate(
                 net, batches, stats, groups, config.scores, list(RATIOS), config.format, config.score_samples,
                 rounding=config.mx_scale, show_progress=show_progress, precision=config.score_precision,
             )
-            scores["fingerprint"] = fingerprint
     finally:
         if offload is not None:
             shutil.rmtree(offload, ignore_errors=True)
-
-    record = {
-        "model": modelio.model_label(model),
-        "model_dir": str(model_dir),
-        "fingerprint": fingerprint,
-        "fingerprint_method": modelio.FINGERPRINT_METHOD,
-        "dataset": config.dataset,
-        "num_samples": len(samples),
-        "num_tokens": num_tokens,
-        "seq_len": config.seq_len,
-        "batch_size": config.batch_size,
-        "seed": config.seed,
-        "samples_sha256": data.samples_digest(samples),
-        "dtype": config.dtype,
-        "device": config.device,
-        "scores": config.scores,
-        "versions": versions(),
-        "groups": [list(g.modules) for g in groups],
-        "kv_cache": (
-            {"file": kvcache.FILE, "point": kvcache.POINT, "layers": len(kv_stats)}
-            if kv_stats is not None
-            else {"file": None, "why_not": kv.problem}
-        ),
-        "config": asdict(config),
-    }
-
-    def write(tmp: Path) -> None:
-        save_stats(stats, tmp / "salience.safetensors")
-        if kv_stats is not None:
-            kvcache.save(kv_stats, tmp / kvcache.FILE)
-        if scores is not None:
-            (tmp / "scores.json").write_text(json.dumps(scores, indent=2) + "\n")
-        record["wall_time_s"] = round(time.perf_counter() - t0, 3)
-        (tmp / "calibration.json").write_text(json.dumps(record, indent=2) + "\n")
-
-    path = write_dir_atomic(out, write, overwrite)
-    return CalibrationResult(
-        path, record["model"], fingerprint, [tuple(g) for g in record["groups"]], record["num_samples"], num_tokens,
-        config.scores, record["wall_time_s"], record,
-    )
+    return stats, num_tokens, kv_stats, kv.problem, groups, smoothing, weight_algo, scores
 
 
 def _is_linear(m) -> bool:

@@ -26,6 +26,7 @@ reader `verify` and the vLLM plugin use.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -49,6 +50,9 @@ MODEL_INDEX = "model.safetensors.index.json"
 SIDECAR_INDEX = "resserve.safetensors.index.json"
 # Written into every safetensors header (as transformers does).
 ST_METADATA = {"format": "pt"}
+
+# copy_file_range errors that mean "not between these files" (copy through memory instead)
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.ETXTBSY, errno.EPERM}
 
 # safetensors dtype name -> (torch dtype, element size)
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -230,6 +234,33 @@ class ShardedWriter:
             raise ValueError(f"{name}: copied {n} bytes, layout says {spec.nbytes}")
         self._pos += 1
 
+    def copy_from(self, name: str, fd: int, start: int, buffer: bytearray, source: str = "the source") -> None:
+        """Write the next tensor as a verbatim copy of its size in bytes at offset `start` of the
+        open file `fd` (named `source` in errors): copied by the kernel (``copy_file_range``, no
+        pass through this process's memory) where the file systems allow it, else read through
+        `buffer`."""
+        _, spec = self._expect(name)
+        self._file.flush()  # the kernel copy writes at the file's position
+        done = 0
+        if hasattr(os, "copy_file_range"):
+            try:
+                while done < spec.nbytes:
+                    got = os.copy_file_range(fd, self._file.fileno(), spec.nbytes - done, start + done)
+                    if got == 0:
+                        break  # the rest goes through the reads below, which report a truncation
+                    done += got
+            except OSError as e:
+                if e.errno not in _NO_KERNEL_COPY:
+                    raise
+        view = memoryview(buffer)
+        while done < spec.nbytes:
+            got = os.preadv(fd, [view[: min(len(view), spec.nbytes - done)]], start + done)
+            if got == 0:
+                raise unreadable(name, source, "the file is truncated")
+            self._write_bytes(view[:got])
+            done += got
+        self._pos += 1
+
     def _expect(self, name: str) -> tuple[int, TensorSpec]:
         if self._pos >= len(self._order):
             raise ValueError(f"{name}: the layout has no more tensors")
@@ -326,27 +357,24 @@ class SafetensorsFiles:
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor, read into fresh memory."""
+        return self.read_into(name, torch.empty(self.entries[name].nbytes, dtype=torch.uint8))
+
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """The tensor read into `out` (uint8, at least its size; e.g. a pinned staging buffer),
+        returned as a view of it in its dtype and shape."""
         e = self.entries[name]
-        buf = torch.empty(e.nbytes, dtype=torch.uint8)
+        buf = out[: e.nbytes]
         with open(e.path, "rb", buffering=0) as f:
             f.seek(e.start)
             got = f.readinto(memoryview(buf.numpy())) if e.nbytes else 0
         if got != e.nbytes:
-            raise UserError(f"cannot read {name} from {e.path.name}: the file is truncated, re-download or re-export it")
+            raise unreadable(name, e.path.name, "the file is truncated")
         return buf.view(DTYPES[e.dtype][0]).reshape(e.shape)
 
-    def iter_bytes(self, name: str, chunk: int = 64 << 20):
-        """The raw bytes of a tensor in chunks (for verbatim copies)."""
-        e = self.entries[name]
-        with open(e.path, "rb", buffering=0) as f:
-            f.seek(e.start)
-            left = e.nbytes
-            while left:
-                data = f.read(min(chunk, left))
-                if not data:
-                    raise UserError(f"cannot read {name} from {e.path.name}: the file is truncated, re-download or re-export it")
-                left -= len(data)
-                yield data
+
+def unreadable(name: str, shard: str, why: str) -> UserError:
+    """The one-line error for tensor `name` that cannot be read from the file `shard`."""
+    return UserError(f"cannot read {name} from {shard}: {why}, re-download or re-export it")
 
 
 # --------------------------------------------------------------------------------------------

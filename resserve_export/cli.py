@@ -9,15 +9,16 @@ import typer
 
 from .commands import calibrate, inspect, pack, plan, size, verify
 from .errors import UserError
+from .ui import say
 
 def _no_placeholder_for_flags() -> None:
     """Help shows no ``<bool>`` after on/off flags (``--overwrite``, ``--json``, ``--help``):
     they take no value. Typer has no setting for this, so its option class is adjusted once."""
     from typer.core import TyperOption
 
-    shown = TyperOption.display_type_rich
-    if getattr(shown, "_resserve", False):
-        return
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "_resserve", False):
+        return  # older Typer (no such hook): the help keeps its placeholders, nothing else changes
 
     def display_type_rich(self, ctx):
         return None if getattr(self, "is_flag", False) else shown(self, ctx)
@@ -48,7 +49,7 @@ INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
 def _interrupted() -> None:
-    print("interrupted: no output was written", file=sys.stderr)
+    say("interrupted: no output was written")
     sys.exit(INTERRUPTED)
 
 
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rc = app(args=argv, standalone_mode=False)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         _interrupted()
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as e:
         # Disk full, permissions, a vanished file, ... after the up-front checks: say which path.
         where = f" ({e.filename})" if e.filename else ""
-        print(f"error: {e.strerror or e}{where}: check the path, its permissions and free space", file=sys.stderr)
+        say(f"error: {e.strerror or e}{where}: check the path, its permissions and free space")
         sys.exit(1)
     except Exception as e:
         # Usage errors of Typer's click (vendored or not) know how to print themselves.
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
             e.show()
             sys.exit(e.exit_code)
         if type(e).__name__ == "Abort":
-            print("error: aborted", file=sys.stderr)
+            say("error: aborted")
             sys.exit(1)
         raise
     # Without standalone mode Typer turns Ctrl-C into a returned 130 (and any typer.Exit raised

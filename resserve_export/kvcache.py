@@ -221,6 +221,14 @@ class KVCollector:
     def end_batch(self) -> None:
         self._mask = None
 
+    def state(self) -> dict:
+        """The running maxima so far, on the CPU (a resume point of the sequential pipeline)."""
+        return {"amax": {i: [a.detach().to("cpu", copy=True) for a in kv] for i, kv in self._amax.items()}, "problem": self.problem}
+
+    def restore(self, state: dict, device) -> None:
+        self._amax = {i: [a.to(device) for a in kv] for i, kv in state["amax"].items()}
+        self.problem = state["problem"]
+
     def result(self) -> dict[str, dict[str, torch.Tensor]] | None:
         """``{attention module: {"k_amax": 0-d float32, "v_amax": 0-d float32}}`` (CPU), or None
         when they cannot be recorded for this model (`problem` says why)."""

@@ -5,8 +5,13 @@ The whole output layout (every tensor's name, dtype and shape, and the shard spl
 from the source's safetensors headers, the decision groups and their ratios (`build_layout`),
 so `size` computes exact byte counts with the same function, headers are written first and
 tensors stream to disk one at a time. Source tensors are read by offset (no mmap); a fused
-group (q/k/v, gate/up) is read member by member wherever its shards are, so the peak memory
-is one group's weights plus the runtime.
+group (q/k/v, gate/up) is read member by member wherever its shards are.
+
+Reading, quantizing and writing overlap (`_stream`): reader threads fill a few reusable
+buffers (pinned on CUDA) up to ``RESSERVE_PACK_DEPTH`` groups ahead (default 2), the calling
+thread quantizes, and one writer thread writes the tensors in layout order, so the bytes are
+those of one thread doing everything (depth 0 or 1 does exactly that). The peak memory is a
+few groups' weights plus the runtime.
 
 Atomic: everything is built in a hidden sibling ``.CKPT.tmp-<pid>-…`` directory, fsynced
 and renamed at the end; a later run removes partial directories of dead processes.
@@ -14,7 +19,9 @@ and renamed at the end; a later run removes partial directories of dead processe
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import json
 import os
 import shutil
@@ -26,6 +33,7 @@ import torch
 
 from . import __version__, modelio, registry
 from .checkpoint import (
+    DTYPES,
     MODEL_INDEX,
     MODEL_PREFIX,
     SIDECAR_INDEX,
@@ -36,8 +44,10 @@ from .checkpoint import (
     file_bytes,
     parse_size,
     resserve_section,
+    unreadable,
 )
 from .constants import RATIOS
+from .awq import FILE as AWQ_FILE, Smoothing, file_digest
 from .errors import UserError
 from .groups import Group
 from .layout import OWN_FILES, WEIGHT_SUFFIXES, build_layout, model_groups, recorded_groups, refuse_experts
@@ -47,6 +57,15 @@ from .ui import Progress
 
 _GROUP_CACHE_BYTES = 1 << 30
 THREADS_ENV = "RESSERVE_PACK_THREADS"  # intra-op threads for CPU quantization (default 1)
+# The read / quantize / write pipeline of `_stream`: groups read ahead and quantized groups queued
+# for the writer (0 or 1: one stage after another on one thread).
+DEPTH_ENV = "RESSERVE_PACK_DEPTH"
+_DEPTH = 2
+_READ_AHEAD_BYTES = 1 << 30  # read slabs in all (at least two, each the largest group's size)
+_READ_CHUNK = 16 << 20  # bytes per positioned read; a group's chunks are read in parallel
+_READERS = 4  # reader threads (at most the CPU count)
+_SLAB_ALIGN = 4096  # each weight starts at this alignment in its slab
+_COPY_CHUNK = 16 << 20  # the writer's buffer for verbatim copies
 
 
 # --------------------------------------------------------------------------------------------
@@ -151,21 +170,29 @@ def load_ratios(
     return out, prov
 
 
+def _check_recorded_format(what: str, recorded: str | None, recorded_rounding: str | None, fmt: str, rounding: str | None, redo: str) -> None:
+    """Refuse what was computed for one format (`what`: a sentence with ``{fmt}``, e.g. a plan's
+    scores or AWQ scales) when --format / --mx-scale differ."""
+    if recorded != fmt:
+        raise UserError(f"{what.format(fmt=recorded)} but --format is {fmt}: pack with --format {recorded}, or calibrate with --format {fmt}{redo}")
+    if registry.get(fmt).has_rounding and recorded_rounding != rounding:
+        raise UserError(
+            f"{what.format(fmt=fmt.upper())} with scale rounding {recorded_rounding} but --mx-scale is {rounding}: "
+            f"pack with --mx-scale {recorded_rounding}, or calibrate with --mx-scale {rounding}{redo}"
+        )
+
+
 def check_plan_format(plan: dict, path: Path, fmt: str, rounding: str | None) -> None:
     """Refuse a plan whose scores were computed for another format or MXFP4 scale rounding."""
-    pf, pr = plan.get("format"), plan.get("mx_scale_rounding")
-    if pf is None:
+    if plan.get("format") is None:
         raise UserError(f"plan {path} does not record the format its scores were computed for: re-run `resserve-export plan`")
-    if pf != fmt:
-        raise UserError(
-            f"plan {path} was made from {pf} scores but --format is {fmt}: pack with --format {pf}, "
-            f"or calibrate with --format {fmt} and plan again"
-        )
-    if registry.get(fmt).has_rounding and pr != rounding:
-        raise UserError(
-            f"plan {path} was made from {fmt.upper()} scores with scale rounding {pr} but --mx-scale is {rounding}: "
-            f"pack with --mx-scale {pr}, or calibrate with --mx-scale {rounding} and plan again"
-        )
+    _check_recorded_format(f"plan {path} was made from {{fmt}} scores", plan["format"], plan.get("mx_scale_rounding"), fmt, rounding, " and plan again")
+
+
+def check_awq_format(record: dict, calib: Path, fmt: str, rounding: str) -> None:
+    """Refuse to pack AWQ scales searched for another format (or MXFP4 scale rounding): the
+    search scored them under that format's arithmetic."""
+    _check_recorded_format(f"the AWQ scales in {calib} were searched for {{fmt}}", record.get("format"), record.get("mx_scale_rounding"), fmt, rounding, "")
 
 
 # --------------------------------------------------------------------------------------------
@@ -252,6 +279,7 @@ def pack(
         check_ratio_arg(ratio)
     max_bytes = parse_size(max_shard_size)
     dev = pick_device(device)
+    depth = pipeline_depth()
     out = Path(out).expanduser().absolute()
     check_out_dir(out, overwrite)
     model_dir = modelio.resolve_model(model)
@@ -268,6 +296,9 @@ def pack(
     recorded = read_calibration(Path(calib), fingerprint, allow_other_weights).get("groups")
     groups = recorded_groups(recorded, shapes) if recorded else model_groups(shapes)
     calib_meta, stats = load_calibration(Path(calib), fingerprint, groups, allow_other_weights)
+    smoothing = Smoothing.from_calibration(Path(calib), calib_meta, shapes)
+    if smoothing is not None:
+        check_awq_format(calib_meta["weight_algo"], Path(calib), fmt, rounding.value)
     ratios, plan_prov = load_ratios(
         groups, ratio, Path(plan) if plan is not None else None, fingerprint, fmt, rounding.value, allow_other_weights
     )
@@ -294,6 +325,13 @@ def pack(
         "ratio": ratio if plan is None else None,
         "plan": plan_prov,
     }
+    if smoothing is not None:
+        # Only for smoothed checkpoints, so that round-to-nearest packs keep their bytes.
+        provenance["weight_algo"] = {
+            "name": "awq",
+            "smoothed_groups": len(smoothing.folds),
+            "scales_sha256": file_digest(Path(calib) / calib_meta["weight_algo"].get("file", AWQ_FILE)),
+        }
     ignore = ["lm_head"]
     qc = f.quantization_config(ignore, __version__, kv_cache)
     qc["resserve"] = resserve_section(fmt, rounding.value, layout.groups, provenance, kv_cache)
@@ -306,7 +344,7 @@ def pack(
         mw = ShardedWriter(tmp, MODEL_PREFIX, model_shards)
         sw = ShardedWriter(tmp, SIDECAR_PREFIX, side_shards)
         try:
-            _stream(layout, source, stats, ratios, fmt, rounding, dev, mw, sw, progress, kv_tensors)
+            _stream(layout, SmoothedSource(source, smoothing), stats, ratios, fmt, rounding, dev, mw, sw, progress, kv_tensors, depth)
             mw.close()
             sw.close()
         except BaseException:
@@ -360,51 +398,363 @@ def _kv_tensors(calib: Path, shapes, f: registry.Format, kv_cache: str) -> dict[
     return out
 
 
-def _stream(layout, source, stats, ratios, fmt, rounding, dev, mw, sw, progress, kv_tensors=None) -> None:
-    """Produce every output tensor in layout order. The next group's weights are read by a
-    background thread while the current group is quantized (reads and kernels release the GIL),
-    so at most two groups' weights are in memory."""
-    from concurrent.futures import ThreadPoolExecutor
+class SmoothedSource:
+    """The source tensors as the checkpoint stores them: with a calibration's AWQ `Smoothing`
+    applied to the weights, norms and biases it changes (`awq.Smoothing.apply`), else as read."""
 
+    def __init__(self, source: SafetensorsFiles, smoothing: Smoothing | None):
+        self.source, self.smoothing = source, smoothing
+        self.entries = source.entries
+
+    def changes(self, name: str) -> bool:
+        return self.smoothing is not None and self.smoothing.affects(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self.source.get(name)
+        return self.smoothing.apply(name, t) if self.changes(name) else t
+
+
+def pipeline_depth() -> int:
+    """The pack pipeline's depth: ``RESSERVE_PACK_DEPTH``, else `_DEPTH`."""
+    raw = os.environ.get(DEPTH_ENV, "").strip()
+    if not raw:
+        return _DEPTH
+    try:
+        depth = int(raw)
+    except ValueError:
+        depth = -1
+    if depth < 0:
+        raise UserError(f"{DEPTH_ENV}={raw!r} is not a whole number ≥ 0: unset it, or set 0 to read, quantize and write one after another")
+    return depth
+
+
+class _Slab:
+    """One reusable read buffer (pinned on CUDA) holding a group's weights, and the CUDA event
+    after which its last host-to-device copy is done (None: free to overwrite)."""
+
+    def __init__(self, nbytes: int, pin: bool):
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.event = None
+
+
+class _Reader:
+    """Reads groups' weights into slabs with positioned reads of `_READ_CHUNK` bytes.
+
+    With `threads` > 0 the chunks are read by that many threads (a group's chunks in parallel,
+    groups in order); with 0 they are read by the caller when submitted. Only the calling
+    thread takes and returns slabs, so reader threads never wait for memory."""
+
+    def __init__(self, source, slab_bytes: int, slabs: int, pin: bool, threads: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.source, self.slab_bytes, self.slabs, self.pin = source, slab_bytes, slabs, pin
+        self.free: list[_Slab] = []
+        self.made = 0
+        self.fds: dict[Path, int] = {}
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="pack-read") if threads > 0 else None
+
+    def take(self) -> _Slab | None:
+        if self.free:
+            return self.free.pop()
+        if self.made < self.slabs:
+            self.made += 1
+            return _Slab(self.slab_bytes, self.pin)
+        return None
+
+    def give(self, slab: _Slab, event=None) -> None:
+        slab.event = event
+        self.free.append(slab)
+
+    def _fd(self, e) -> int:
+        fd = self.fds.get(e.path)
+        if fd is None:
+            fd = self.fds[e.path] = os.open(e.path, os.O_RDONLY)
+        return fd
+
+    def submit(self, g: Group, slab: _Slab) -> tuple[list, list]:
+        """([(module, entry, view)], [futures or None]) of `g` read into `slab`."""
+        members, jobs = [], []
+        off = 0
+        for m in g.modules:
+            name = f"{m}.weight"
+            e = self.source.entries[name]
+            try:
+                fd = self._fd(e)
+            except OSError as err:
+                raise unreadable(name, e.path.name, err.strerror or str(err)) from None
+            view = slab.buf[off : off + e.nbytes]
+            members.append((m, e, view))
+            for a in range(0, e.nbytes, _READ_CHUNK):
+                args = (fd, name, e, view, a, min(a + _READ_CHUNK, e.nbytes), slab.event)
+                jobs.append(self.pool.submit(_read_chunk, *args) if self.pool is not None else _read_chunk(*args))
+            off += -(-e.nbytes // _SLAB_ALIGN) * _SLAB_ALIGN
+        return members, jobs
+
+    def weights(self, members: list, jobs: list) -> dict[str, torch.Tensor]:
+        """{module: weight} of a submitted group once read, as the checkpoint stores it (AWQ
+        smoothing applied)."""
+        for j in jobs:
+            if j is not None:
+                j.result()
+        out = {}
+        for m, e, view in members:
+            w = view.view(DTYPES[e.dtype][0]).reshape(e.shape)
+            name = f"{m}.weight"
+            out[m] = self.source.smoothing.apply(name, w) if self.source.changes(name) else w
+        return out
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _read_chunk(fd: int, name: str, e, view: torch.Tensor, a: int, b: int, event) -> None:
+    """Bytes [a, b) of tensor `name` into ``view[a:b]`` (after `event`: the slab's last copy)."""
+    if event is not None:
+        event.synchronize()
+    mv = memoryview(view.numpy())[a:b]
+    done = 0
+    while done < b - a:
+        try:
+            got = os.preadv(fd, [mv[done:]], e.start + a + done)
+        except OSError as err:
+            raise unreadable(name, e.path.name, err.strerror or str(err)) from None
+        if got == 0:
+            raise unreadable(name, e.path.name, "the file is truncated")
+        done += got
+
+
+class _Writer:
+    """Runs write jobs in submission order on one thread (``pack-write``); with `depth` 0 runs
+    them at once on the caller's thread.
+
+    At most `depth` quantized groups wait for it (their outputs are memory); copies of source
+    tensors hold no memory and do not count. The first error a job raises stops the later jobs
+    and is raised to the caller at its next `put` or at `finish`."""
+
+    def __init__(self, depth: int):
+        import queue
+        import threading
+
+        self.depth = depth
+        self.error: BaseException | None = None
+        if depth:
+            self.jobs: queue.Queue = queue.Queue()
+            self.slots = threading.Semaphore(depth)
+            self.stopped = threading.Event()
+            self.thread = threading.Thread(target=self._run, name="pack-write", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            fn, holds_slot = job
+            try:
+                if self.error is None and not self.stopped.is_set():
+                    fn()
+            except BaseException as e:  # raised to the caller by _check
+                self.error = e
+            finally:
+                del fn, job
+                if holds_slot:
+                    self.slots.release()
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def put(self, fn, group: bool = False) -> None:
+        if not self.depth:
+            fn()
+            return
+        if group:
+            while not self.slots.acquire(timeout=0.1):
+                self._check()
+        self._check()
+        self.jobs.put((fn, group))
+
+    def finish(self) -> None:
+        """Wait for every job; raise the first error."""
+        if self.depth:
+            self.jobs.put(None)
+            self.thread.join()
+            self._check()
+
+    def cancel(self) -> None:
+        """Skip the jobs not started yet and wait for the running one (nothing writes after)."""
+        if self.depth:
+            self.stopped.set()
+            self.jobs.put(None)
+            self.thread.join()
+
+
+class _Outputs:
+    """Collects one group's output tensors for one `ShardedWriter` in write order; CUDA tensors
+    start their copy into pinned host memory at once (completed when the group's event is)."""
+
+    def __init__(self, writer, into: list):
+        self.writer, self.into = writer, into
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        if t.is_cuda:
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            h.copy_(t, non_blocking=True)
+            t = h
+        self.into.append((self.writer, name, t))
+
+
+def _stream(layout, source, stats, ratios, fmt, rounding, dev, mw, sw, progress, kv_tensors=None, depth: int | None = None) -> None:
+    """Produce every output tensor in layout order, in three overlapping stages.
+
+    - read: the weights of up to `depth` groups ahead are read into reusable slabs (pinned host
+      memory on CUDA) by up to `_READERS` threads, in positioned chunks;
+    - quantize: this thread, one group at a time (on CUDA on a side stream: the host-to-device
+      copies are asynchronous, the slab is handed back to the readers once they are done, and the
+      outputs are copied asynchronously into pinned host memory);
+    - write: one thread writes tensors in layout order (the same order and bytes as one thread
+      doing everything), and copies the unquantized tensors from the source itself.
+
+    Memory: at most min(`depth` + 1, max(2, `_READ_AHEAD_BYTES` / largest group)) slabs of the
+    largest group's size, plus `depth` groups' outputs waiting for the writer (about a quarter of
+    their weights). `depth` (default `pipeline_depth()`) 0 or 1 runs the stages one after another
+    on this thread, with one slab. Errors of any stage are raised here; the other stages stop
+    before this returns.
+    """
     from . import formats
     from .kext import extend_weight
     from .selection import select_mask
 
+    depth = pipeline_depth() if depth is None else depth
+    piped = depth >= 2
+    cuda = dev.type == "cuda"
+
     def group_bytes(g: Group) -> int:
         return sum(source.entries[f"{m}.weight"].nbytes for m in g.modules)
 
-    def load(g: Group) -> dict[str, torch.Tensor] | None:
-        if group_bytes(g) > _GROUP_CACHE_BYTES:
-            return None  # too large to hold: _pack_group reads members one at a time
-        return {m: source.get(f"{m}.weight") for m in g.modules}
+    def slab_bytes(g: Group) -> int:
+        return sum(-(-source.entries[f"{m}.weight"].nbytes // _SLAB_ALIGN) * _SLAB_ALIGN for m in g.modules)
 
     sizes = {"copy": lambda n: source.entries[n].nbytes, "group": group_bytes, "kv": lambda n: 0}
     total_bytes = sum(sizes[kind](n) for kind, n in layout.items)
-    group_at = [i for i, (kind, _) in enumerate(layout.items) if kind == "group"]
-    next_group = {a: b for a, b in zip(group_at, group_at[1:])}
-    with Progress("pack", total_bytes, unit="bytes", enabled=progress) as bar, ThreadPoolExecutor(1, thread_name_prefix="pack-read") as pool:
-        n = len(layout.items)
-        pending = {group_at[0]: pool.submit(load, layout.items[group_at[0]][1])} if group_at else {}
-        for i, (kind, item) in enumerate(layout.items):
-            if kind == "copy":
-                bar.describe(f"{i + 1}/{n} {item[-40:]}")
-                mw.write_raw(item, source.iter_bytes(item))
-                bar.advance(source.entries[item].nbytes)
-            elif kind == "kv":
-                mw.write(item, kv_tensors[item])
-            else:
+    groups = [(i, g) for i, (kind, g) in enumerate(layout.items) if kind == "group"]
+    # Too large to hold: _pack_group reads the members one at a time.
+    loaded = {i for i, g in groups if group_bytes(g) <= _GROUP_CACHE_BYTES}
+    largest = max((slab_bytes(g) for i, g in groups if i in loaded), default=0)
+    ahead = depth if piped else 0
+    slabs = min(ahead + 1, max(2, _READ_AHEAD_BYTES // max(largest, 1))) if piped else 1
+    readers = max(1, min(_READERS, os.cpu_count() or 1)) if piped else 0
+    reader = _Reader(source, largest, slabs, cuda, readers)
+    writer = _Writer(depth if piped else 0)
+    stream = torch.cuda.Stream(dev) if cuda else None
+    copy_buffer = bytearray(_COPY_CHUNK)
+    pending: list = []  # (layout index, slab, members, jobs) in order
+    upcoming = iter(groups)
+    waiting: list = []  # a group taken from `upcoming` that had no free slab yet
+
+    def top_up() -> None:
+        while len(pending) < max(1, ahead):
+            nxt = waiting.pop() if waiting else next(upcoming, None)
+            if nxt is None:
+                return
+            i, g = nxt
+            if i not in loaded:
+                pending.append((i, None, None, None))
+                continue
+            slab = reader.take()
+            if slab is None:
+                waiting.append(nxt)
+                return
+            try:
+                members, jobs = reader.submit(g, slab)
+            except BaseException:
+                reader.give(slab)
+                raise
+            pending.append((i, slab, members, jobs))
+
+    def copy(name: str) -> None:
+        if source.changes(name):
+            mw.write(name, source.get(name))  # a norm (or bias) the AWQ scales fold into
+            return
+        e = source.entries[name]
+        try:
+            fd = os.open(e.path, os.O_RDONLY)
+        except OSError as err:
+            raise unreadable(name, e.path.name, err.strerror or str(err)) from None
+        try:
+            mw.copy_from(name, fd, e.start, copy_buffer, e.path.name)
+        finally:
+            os.close(fd)
+
+    def write_outputs(outs: list, event) -> None:
+        if event is not None:
+            event.synchronize()
+        for w, name, t in outs:
+            w.write(name, t)
+
+    try:
+        with Progress("pack", total_bytes, unit="bytes", enabled=progress) as bar:
+            n = len(layout.items)
+            for i, (kind, item) in enumerate(layout.items):
+                if kind == "copy":
+                    bar.describe(f"{i + 1}/{n} {item[-40:]}")
+                    writer.put(functools.partial(copy, item))
+                    bar.advance(source.entries[item].nbytes)
+                    continue
+                if kind == "kv":
+                    writer.put(functools.partial(mw.write, item, kv_tensors[item]))
+                    continue
                 g: Group = item
                 bar.describe(f"{i + 1}/{n} {g.modules[0][-40:]}")
-                weights = pending.pop(i).result()
-                if i in next_group:
-                    j = next_group[i]
-                    pending[j] = pool.submit(load, layout.items[j][1])
-                _pack_group(g, weights, source, stats, ratios[g.name], fmt, rounding, dev, mw, sw, formats, extend_weight, select_mask)
+                top_up()
+                j, slab, members, jobs = pending.pop(0)
+                assert j == i, (j, i)
+                if piped:
+                    top_up()  # into the slabs still free while this group is quantized
+                weights = reader.weights(members, jobs) if slab is not None else None
+                outs: list = []
+                with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                    if cuda and slab is not None:
+                        # The slab is free again once these copies are done: the readers wait
+                        # for this event, not for the quantization.
+                        weights = {m: w.to(dev, non_blocking=True) for m, w in weights.items()}
+                        release = torch.cuda.Event()
+                        release.record(stream)
+                        reader.give(slab, release)
+                        slab = None
+                        if piped:
+                            top_up()
+                    _pack_group(
+                        g, weights, source, stats, ratios[g.name], fmt, rounding, dev,
+                        _Outputs(mw, outs), _Outputs(sw, outs), formats, extend_weight, select_mask,
+                    )
+                    done = None
+                    if cuda:
+                        done = torch.cuda.Event()
+                        done.record(stream)
                 del weights
+                if slab is not None:  # on the CPU the weights were views of it
+                    reader.give(slab)
+                if piped:
+                    top_up()
+                writer.put(functools.partial(write_outputs, outs, done), group=True)
+                del outs
                 bar.advance(group_bytes(g))
+            writer.finish()
+    except BaseException:
+        writer.cancel()
+        raise
+    finally:
+        reader.close()
 
 
 def _pack_group(g, weights, source, stats, ratio, fmt, rounding, dev, mw, sw, formats, extend_weight, select_mask) -> None:
+    """Quantize group `g` and write its tensors through `mw` / `sw`. `weights`: {module: weight}
+    on any device (already on `dev` saves a copy), or None to read the members one at a time."""
     f = registry.get(fmt)
     amax_x = torch.stack([stats[m][1] for m in g.modules]).max()
     mask = select_mask(stats[g.modules[0]][0], ratio) if ratio > 0 else None

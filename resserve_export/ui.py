@@ -20,6 +20,13 @@ LOG_SECONDS_ENV = "RESSERVE_LOG_SECONDS"
 TEST_STEP_DELAY_ENV = "RESSERVE_TEST_STEP_DELAY"
 
 
+def say(line: str) -> None:
+    """One line on stderr in one write: under torchrun every rank shares the pipe, and a print
+    (text, then its newline: two writes) lets two ranks' lines run together."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def console(**kw):
     """A rich Console that does not squash tables to 80 columns when stdout is a pipe or file."""
     from rich.console import Console
@@ -50,7 +57,7 @@ class Progress:
 
     def __init__(self, desc: str, total: int, *, unit: str = "", rate_unit: str | None = None, enabled: bool = True):
         self.desc, self.total, self.unit, self.rate_unit, self.enabled = desc, max(int(total), 0), unit, rate_unit, enabled
-        self.done = 0
+        self.done = self.base = 0
         self.rated = 0
         self.note = ""
         self.t0 = self._last = time.monotonic()
@@ -78,8 +85,8 @@ class Progress:
         if self.rate_unit:
             return f"{self.rated / elapsed:,.0f} {self.rate_unit}/s"
         if self.unit == "bytes":
-            return f"{_bytes(self.done / elapsed)}/s"
-        return f"{self.done / elapsed:,.2f} {self.unit or 'steps'}/s"
+            return f"{_bytes((self.done - self.base) / elapsed)}/s"
+        return f"{(self.done - self.base) / elapsed:,.2f} {self.unit or 'steps'}/s"
 
     def line(self) -> str:
         """The plain log line (also what a piped run prints)."""
@@ -90,8 +97,8 @@ class Progress:
             count = f"{self.done}/{self.total}" + (f" {self.unit}" if self.unit else "")
         pct = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
         eta = ""
-        if 0 < self.done < self.total:
-            eta = f", ETA {_clock(elapsed * (self.total - self.done) / self.done)}"
+        if self.base < self.done < self.total:
+            eta = f", ETA {_clock(elapsed * (self.total - self.done) / (self.done - self.base))}"
         note = f" [{self.note}]" if self.note else ""
         return f"{self.desc}{note}: {count}{pct}, {self._rate(elapsed)}, {_clock(elapsed)} elapsed{eta}"
 
@@ -100,6 +107,13 @@ class Progress:
         self.note = note
         if self._bar is not None:
             self._bar.update(self._task, description=f"{self.desc} {note}")
+
+    def start_at(self, n: int) -> None:
+        """Units already done before this run (a resumed run): counted, but not in the rate or ETA."""
+        self.done = self.base = n
+        self.t0 = time.monotonic()
+        if self._bar is not None:
+            self._bar.reset(self._task, total=self.total, completed=n, rate="")
 
     def advance(self, n: int = 1, *, rate: int = 0) -> None:
         self.done += n
@@ -111,7 +125,7 @@ class Progress:
             now = time.monotonic()
             if now - self._last >= self.interval:
                 self._last = now
-                print(self.line(), file=sys.stderr, flush=True)
+                say(self.line())
         if self.delay:
             time.sleep(self.delay)
 
@@ -119,7 +133,7 @@ class Progress:
         if self._bar is not None:
             self._bar.__exit__(exc_type, *exc)
         elif self.enabled and exc_type is None:
-            print(self.line(), file=sys.stderr, flush=True)
+            say(self.line())
 
 
 @contextmanager

@@ -37,7 +37,6 @@ def make_llama(path: Path, *, seed: int = 0, intermediate: int = 128, dtype=torc
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    tok = tokenizer_dir()
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=49152,
@@ -54,8 +53,13 @@ def make_llama(path: Path, *, seed: int = 0, intermediate: int = 128, dtype=torc
         with torch.no_grad():
             dict(model.named_parameters())[poison].view(-1)[0] = float("nan")
     model.save_pretrained(path)
+    return add_tokenizer(path)
+
+
+def add_tokenizer(path: Path) -> Path:
+    """Put the SmolLM2 tokenizer beside a saved model (so calibrate can sample text for it)."""
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tok / name, path / name)
+        shutil.copy(tokenizer_dir() / name, path / name)
     return path
 
 

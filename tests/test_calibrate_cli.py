@@ -165,3 +165,34 @@ def test_smollm2_quick_end_to_end(tmp_path, capsys):
     # The first layer's q/k/v input is the normalized embedding; SmolLM2's is far from uniform.
     ma = stats["model.layers.0.self_attn.q_proj"]["mean_abs"]
     assert ma.max() / ma.median() > 3
+
+
+def test_unknown_weight_algo(tiny, tmp_path, capsys, texts):
+    assert cli(*base(tiny, tmp_path / "out", texts), "--weight-algo", "gptq") == 2
+    assert "unknown --weight-algo 'gptq': choose one of rtn, awq" in one_line_error(capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_awq_tokens_must_be_positive(tiny, tmp_path, capsys, texts):
+    assert cli(*base(tiny, tmp_path / "out", texts), "--weight-algo", "awq", "--awq-tokens", "0") == 2
+    assert "--awq-tokens must be a positive integer, got 0" in one_line_error(capsys)
+
+
+def test_weight_algo_awq_through_the_cli(tiny, tmp_path, texts):
+    out = tmp_path / "out"
+    cli_ok(*base(tiny, out, texts), "--scores", "none", "--weight-algo", "awq", "--awq-tokens", "64")
+    rec = json.loads((out / "calibration.json").read_text())
+    assert rec["weight_algo"]["name"] == "awq" and rec["config"]["weight_algo"] == "awq" and rec["config"]["awq_tokens"] == 64
+    assert (out / "awq.safetensors").is_file()
+
+
+def test_unknown_pipeline(tiny, tmp_path, capsys, texts):
+    assert cli(*base(tiny, tmp_path / "out", texts), "--pipeline", "layers") == 2
+    assert "--pipeline must be one of whole, sequential, auto, got 'layers'" in one_line_error(capsys)
+
+
+def test_sequential_pipeline_through_the_cli(tiny, tmp_path, texts):
+    cli_ok(*base(tiny, tmp_path / "seq", texts), "--scores", "none", "--pipeline", "sequential")
+    cli_ok(*base(tiny, tmp_path / "whole", texts), "--scores", "none", "--pipeline", "whole")
+    assert (tmp_path / "seq" / "salience.safetensors").read_bytes() == (tmp_path / "whole" / "salience.safetensors").read_bytes()
+    assert json.loads((tmp_path / "seq" / "calibration.json").read_text())["pipeline"] == "sequential"

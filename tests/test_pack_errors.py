@@ -145,18 +145,25 @@ def test_existing_out_needs_overwrite(tiny, tmp_path, capsys):
     assert not list(tmp_path.glob(".ck.*"))
 
 
-def test_out_of_disk_space(tiny, tmp_path, monkeypatch):
-    model, calib = tiny
+def fail_writes_after(monkeypatch, n: int, code: int, text: str) -> dict:
+    """The checkpoint writer's writes succeed `n` times, then raise OSError(code, text); returns
+    the call count (``["n"]``)."""
     calls = {"n": 0}
     real = checkpoint.ShardedWriter._write_bytes
 
-    def full_disk(self, data):
+    def failing(self, data):
         calls["n"] += 1
-        if calls["n"] > 5:
-            raise OSError(errno.ENOSPC, "No space left on device")
+        if calls["n"] > n:
+            raise OSError(code, text)
         return real(self, data)
 
-    monkeypatch.setattr(checkpoint.ShardedWriter, "_write_bytes", full_disk)
+    monkeypatch.setattr(checkpoint.ShardedWriter, "_write_bytes", failing)
+    return calls
+
+
+def test_out_of_disk_space(tiny, tmp_path, monkeypatch):
+    model, calib = tiny
+    calls = fail_writes_after(monkeypatch, 5, errno.ENOSPC, "No space left on device")
     out = tmp_path / "ck"
     with pytest.raises(UserError) as e:
         pack(model, calib, out, "nvfp4", ratio=0.25, progress=False)

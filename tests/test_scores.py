@@ -598,3 +598,70 @@ def test_scores_ask_the_format_registry():
     for f in sorted(pathlib.Path(S.__file__).parent.glob("*.py")):
         hits = [line for line in f.read_text().splitlines() if compare.search(line)]
         assert not hits, (f.name, hits)
+
+
+# The Triton kernels of the bf16 path on CUDA (`scores.fused`): the reduction against the eager
+# one, the operands bit for bit, and whole scores against the eager path. Stated tolerance: 1e-5
+# relative (the same FP32 products, summed in another order; the operands are the same bits).
+triton_gpu = pytest.mark.skipif(not torch.cuda.is_available() or not __import__("resserve_export.scores.fused").scores.fused.available(torch.device("cuda")), reason="needs a CUDA GPU and Triton")
+
+
+@pytest.mark.gpu
+@triton_gpu
+def test_gpu_fused_reduction_matches_eager(gen):
+    from resserve_export.scores import fused
+
+    for n, ne in [(5000, 4), (70001, 2), (1, 0), (3 * 16384, 3)]:
+        g = torch.randn(n, generator=gen).bfloat16().cuda()
+        p, y, d0 = (torch.randn(n, generator=gen).cuda() for _ in range(3))
+        es = [torch.randn(n, generator=gen).bfloat16().cuda() for _ in range(ne)]
+        c = torch.tensor(0.37).cuda()
+        for got, want in [
+            (fused.sq_sums(g, p, y, c, *es), B._sq_sums_split_eager(g, p, y, c, *es)),
+            (fused.sq_sums(g, d0.bfloat16(), None, None, *es), B._sq_sums_eager(g, d0.bfloat16(), *es)),
+        ]:
+            assert got.shape == (1 + ne,) and torch.allclose(got.double(), want.double(), rtol=1e-5, atol=0), (n, ne, got, want)
+        assert torch.allclose(B._sq_sums_split(g, p, y, c, *es), fused.sq_sums(g, p, y, c, *es), rtol=0, atol=0)  # CUDA takes the kernel
+
+
+@pytest.mark.gpu
+@triton_gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_fused_operands_are_bit_identical(fmt):
+    from resserve_export import registry
+    from resserve_export.emulate import exact_operand
+    from resserve_export.formats import quantize
+    from resserve_export.qtensor import FP4Tensor
+    from resserve_export.scores import fused
+
+    f = registry.get(fmt)
+    x = torch.randn(300, 512, device="cuda") * 5
+    x[:, 3] *= 60
+    q = quantize(x, fmt, backend="reference")
+    assert torch.equal(fused.exact_bf16(q, f), exact_operand(q))
+    # A column slice of the codes (how the fused CUDA kernel's [X̂ | R̂_S] is split).
+    s = FP4Tensor(q.fmt, q.codes[:, 128:], q.scales[:, 256 // f.block :], q.global_scale)
+    assert torch.equal(fused.exact_bf16(s, f), exact_operand(s))
+
+
+@pytest.mark.gpu
+@triton_gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_gpu_fused_kernels_give_the_eager_scores(tiny_bf16, precision, monkeypatch):
+    """compute_scores on a GPU with the kernels (default) and without them (the eager path): within
+    1e-5 relative of each other on this small model (the stated tolerance, for any model: 2e-4)."""
+    import copy
+
+    from resserve_export.scores import fused
+
+    model, groups, batches, stats = tiny_bf16
+    model = copy.deepcopy(model).cuda()
+    run = lambda: S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision=precision)  # noqa: E731
+    default = run()
+    monkeypatch.setattr(fused, "available", lambda device: False)
+    eager = run()
+    for a, e in zip(default["groups"], eager["groups"]):
+        for k in RATIOS:
+            k = S.ratio_key(k)
+            assert e["scores"][k] > 0
+            assert math.isclose(a["scores"][k], e["scores"][k], rel_tol=1e-5), (precision, a["modules"], k)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -61,6 +62,34 @@ def command(
         Optional[str],
         typer.Option("--mx-scale", help="MXFP4 scale rounding the scores assume: ceil, floor or even." + _default(_D.mx_scale, preset=False)),
     ] = None,
+    weight_algo: Annotated[
+        Optional[str],
+        typer.Option(
+            "--weight-algo",
+            help="Weight-side algorithm: rtn (round to nearest) or awq (activation-aware per-channel scales, searched under "
+            "W4A4 and folded exactly into the norms / rows before each group; pack applies them)." + _default(_D.weight_algo, preset=False),
+        ),
+    ] = None,
+    awq_tokens: Annotated[
+        Optional[int], typer.Option("--awq-tokens", help="Tokens per group for the AWQ scale search." + _default(_D.awq_tokens, preset=False))
+    ] = None,
+    pipeline: Annotated[
+        Optional[str],
+        typer.Option(
+            "--pipeline",
+            help="whole (load the model, accelerate offloading what does not fit), sequential (one decoder layer in "
+            "memory at a time; statistics and grad scores, bit-identical to whole) or auto (sequential when the weights "
+            "do not fit the devices and the run needs neither KL scores nor AWQ)." + _default(_D.pipeline, preset=False),
+        ),
+    ] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="Continue an interrupted --pipeline sequential run of the same --out from its last resume point (saved "
+            "every RESSERVE_RESUME_SECONDS, default 600; the result equals an uninterrupted run's).",
+        ),
+    ] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty --out.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
 ) -> None:
@@ -72,7 +101,10 @@ def command(
         model, out, config=config, overwrite=overwrite, progress=not quiet, dataset=dataset, num_samples=num_samples,
         seq_len=seq_len, batch_size=batch_size, seed=seed, device=device, dtype=dtype, scores=scores,
         score_samples=score_samples, score_precision=score_precision, format=format, mx_scale=mx_scale,
+        weight_algo=weight_algo, awq_tokens=awq_tokens, pipeline=pipeline, resume=resume,
     )
+    if os.environ.get("RANK", "0") != "0":
+        return  # under torchrun, rank 0 reports
     typer.echo(
         f"wrote {res.path}: {len(res.groups)} groups, {res.num_samples} samples, {res.num_tokens} tokens in {res.wall_time_s:.1f} s"
     )

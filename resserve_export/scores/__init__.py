@@ -76,6 +76,7 @@ def compute_scores(
     candidates: dict | None = None,
     memory_budget: int | None = None,
     precision: str = "auto",
+    log: dict | None = None,
 ) -> dict:
     """The content of ``scores.json`` (see the module docstring and the calibration contract).
 
@@ -95,6 +96,7 @@ def compute_scores(
     for fp16 models where a bf16/fp16 GEMM can write FP32; else fp32: see `resolve_precision`).
     The bf16 path keeps bf16 copies of the candidate weights (≈ 4 bytes per weight on such GPUs,
     ≈ 8 elsewhere). The result records the precision used. KL scores always use the FP32 path.
+    log: grad only: record every addition and the token count (a data-parallel rank's share).
     """
     if method not in METHODS:
         raise ValueError(f"unknown score method {method!r}, available: {list(METHODS)}")
@@ -133,9 +135,14 @@ def compute_scores(
             if method == "kl":
                 sums = _kl_scores(model, batches, groups, candidates, ratios, step)
             else:
-                sums = _grad_scores(model, batches, groups, candidates, ratios, step, precision)
+                sums = _grad_scores(model, batches, groups, candidates, ratios, step, precision, log=log)
         finally:
             model.train(was_training)
+    return scores_record(sums, groups, ratios, method, num_samples, fmt, rounding, precision, time.perf_counter() - t0)
+
+
+def scores_record(sums: dict, groups: list[Group], ratios, method: str, num_samples: int, fmt: str, rounding, precision: str, seconds: float) -> dict:
+    """``scores.json``'s content from per-group ``{ratio: score}`` sums."""
     out_groups = []
     for g in groups:
         s = sums[g.modules]
@@ -150,11 +157,11 @@ def compute_scores(
         "method": method,
         "samples": int(num_samples),
         "tokens_normalised": True,
-        "ratios": ratios,
+        "ratios": list(ratios),
         "format": fmt,
-        "rounding": rounding.value,
+        "rounding": ScaleRounding(rounding).value,
         **({"precision": precision} if method == "grad" else {}),
-        "wall_time_s": round(time.perf_counter() - t0, 3),
+        "wall_time_s": round(seconds, 3),
         "groups": out_groups,
     }
 

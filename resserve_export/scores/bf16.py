@@ -38,6 +38,7 @@ import torch
 from .. import registry
 from ..compiling import compile_or_eager
 from ..mxfp4 import ScaleRounding
+from . import fused
 from .device import _mm_f32_native
 
 
@@ -126,7 +127,8 @@ def _fused(fn, device: torch.device):
     elementwise op), eager elsewhere or with ``RESSERVE_BACKEND=reference``. Not on CUDA: there
     the compiled reduction (a Triton kernel summing ``[M, N]`` to a few scalars) took 1.5 ms a call,
     57% of the GPU time of a scoring batch on the H200, and eager was faster overall
-    (bench/results/plan.md). A compiler failure falls back to eager (`compiling.compile_or_eager`)."""
+    (bench/results/plan.md); CUDA takes the hand-written kernel of `fused` instead, and this eager
+    function only without Triton. A compiler failure falls back to eager (`compiling.compile_or_eager`)."""
     if device.type != "cpu" or os.environ.get("RESSERVE_BACKEND", "") == "reference":
         return fn
     return _compiled_reduction(fn, device.type)
@@ -138,12 +140,16 @@ def _compiled_reduction(fn, device_type: str):
 
 
 def _sq_sums(g: torch.Tensor, d0: torch.Tensor, *es: torch.Tensor) -> torch.Tensor:
-    """`_sq_sums_eager`, compiled on CPU and CUDA (see `_fused`)."""
+    """`_sq_sums_eager`: one Triton kernel on CUDA (`fused.sq_sums`), compiled on CPU (see `_fused`)."""
+    if fused.available(g.device) and len(es) <= fused._MAX_ES:
+        return fused.sq_sums(g, d0, None, None, *es)
     return _fused(_sq_sums_eager, g.device)(g, d0, *es)
 
 
 def _sq_sums_split(g, p, y, c, *es) -> torch.Tensor:
-    """`_sq_sums_split_eager`, compiled on CPU and CUDA (see `_fused`)."""
+    """`_sq_sums_split_eager`: one Triton kernel on CUDA (`fused.sq_sums`), compiled on CPU (see `_fused`)."""
+    if fused.available(g.device) and len(es) <= fused._MAX_ES:
+        return fused.sq_sums(g, p, y, c, *es)
     return _fused(_sq_sums_split_eager, g.device)(g, p, y, c, *es)
 
 

@@ -34,6 +34,7 @@ from ..kext import extend_weight, residue
 from ..mxfp4 import ScaleRounding
 from ..qtensor import FP4Tensor
 from ..selection import check_ratio, mask_to_indices, mode_of, select_mask
+from . import fused
 from .bf16 import _PREPARE_ROWS, _base_operand, _compiled_prepare, _mm_f32, _prepare_backend, _split_base, _sq_sums, _sq_sums_split
 
 
@@ -229,8 +230,7 @@ class Candidates:
     def _prepare_with_kernel(self, x, comp, modes, widths):
         """(X̂', {ρ: R̂'_ρ}) through the fused CUDA kernel (bit-identical to the reference: it is
         checked against `kext.extended_activation` / `kext.full_residue` bit for bit): one launch
-        per compensated ratio gives X̂ and that ratio's residue operand (bf16 through
-        `emulate.exact_operand`)."""
+        per compensated ratio gives X̂ and that ratio's residue operand (bf16 through `_exact`)."""
         from .. import kernel
 
         K = x.shape[-1]
@@ -252,10 +252,15 @@ class Candidates:
                 rq = FP4Tensor(q.fmt, q.codes[:, K // 2 :], q.scales[:, K // b :], q.global_scale)
                 assert rq.shape[-1] == width
             xq = base if xq is None else xq
-            extra[r] = exact_operand(rq)
+            extra[r] = self._exact(rq)
         if xq is None:
             xq = quantize(x, self.fmt, alpha=alpha, rounding=self.rounding, backend="reference")
-        return exact_operand(xq), extra
+        return self._exact(xq), extra
+
+    def _exact(self, q: FP4Tensor) -> torch.Tensor:
+        """`emulate.exact_operand(q)`, through one Triton kernel where it runs (`fused.exact_bf16`,
+        bit for bit the same values)."""
+        return fused.exact_bf16(q, self.format) if fused.available(q.codes.device) else exact_operand(q)
 
     def member_sums_fast(self, prepared, i: int, grad: torch.Tensor) -> torch.Tensor:
         """[Σ (∂L/∂Y ⊙ (Y_q(ρ) − Y))² for ρ in `ratios`] of member i, float64 on grad's device, for a
