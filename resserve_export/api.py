@@ -150,7 +150,8 @@ def calibrate(
     field of `calibrate.CalibConfig`: ``dataset``, ``num_samples``, ``seq_len``, ``batch_size``,
     ``seed``, ``device``, ``dtype``, ``scores``, ``score_samples``, ``score_precision``,
     ``format``, ``mx_scale``, ``weight_algo`` (``rtn`` or ``awq``), ``awq_tokens``, ``pipeline``
-    (``auto``, ``whole`` or ``sequential``)). `resume`: continue an interrupted layer-by-layer
+    (``auto``, ``whole`` or ``sequential``), ``moe_calib`` (``all`` or ``routed``: the tokens a
+    mixture-of-experts model's experts take their statistics from)). `resume`: continue an interrupted layer-by-layer
     (sequential) run of the same `out` from its last resume point.
     """
     from . import calibrate as cal

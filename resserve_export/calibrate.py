@@ -93,6 +93,7 @@ class CalibConfig:
     weight_algo: str = "rtn"
     awq_tokens: int = 2048
     pipeline: str = "auto"
+    moe_calib: str = "all"
 
     def validate(self) -> CalibConfig:
         for name in ("num_samples", "seq_len", "batch_size", "score_samples", "awq_tokens"):
@@ -122,6 +123,10 @@ class CalibConfig:
         check_weight_algo(self.weight_algo)
         if self.pipeline not in PIPELINES:
             raise UserError(f"--pipeline must be one of {', '.join(PIPELINES)}, got {self.pipeline!r}")
+        from .experts import MOE_CALIB
+
+        if self.moe_calib not in MOE_CALIB:
+            raise UserError(f"--moe-calib must be one of {', '.join(MOE_CALIB)}, got {self.moe_calib!r}")
         return self
 
 
@@ -186,6 +191,12 @@ def check_in_features(linears: dict[str, tuple[int, int]]) -> None:
                 f"linear {name} has in_features {k}, not a multiple of {IN_FEATURES_MULTIPLE}: "
                 "FP4 blocks cannot tile it; this model is not supported"
             )
+
+
+def _same_rows(shape: tuple, batch: tuple) -> bool:
+    """Whether leading dims `shape` are the batch's [B, T] with extra size-1 dims (DeepSeek's MLA
+    feeds kv_b_proj [B, 1, T, r]): its rows are then the batch's tokens in order."""
+    return tuple(d for d in shape if d != 1) == tuple(d for d in batch if d != 1)
 
 
 def _natural_key(name: str) -> list:
@@ -301,7 +312,7 @@ class StatsCollector:
                 self._calls += 1
             if self._mask is None:
                 raise RuntimeError("StatsCollector.set_mask() must be called before each forward pass")
-            if tuple(x.shape[:-1]) != self._shape:
+            if tuple(x.shape[:-1]) != self._shape and not _same_rows(tuple(x.shape[:-1]), self._shape):
                 raise UserError(
                     f"linear {name} sees input of shape {tuple(x.shape)}, not [batch, tokens, features] of the batch "
                     f"{self._shape}: padding cannot be excluded for it; this architecture's layout is not supported"
@@ -423,13 +434,15 @@ def input_device(model):
 
 
 def collect(
-    model, batches: list[dict], groups: list[Group], progress: Callable[[int, int], None] | None = None, kv=None, parts: bool = False
+    model, batches: list[dict], groups: list[Group], progress: Callable[[int, int], None] | None = None, kv=None, parts: bool = False,
+    experts=None,
 ) -> tuple[dict, int]:
     """Run ``batches`` through ``model`` with the statistics hooks. Returns (stats, num_tokens).
 
     `kv`: a `kvcache.KVCollector` that also sees every batch (through the KV cache the forward
     pass then fills). `parts`: return `StatsCollector.parts()` (a data-parallel rank's share)
-    instead of the statistics."""
+    instead of the statistics. `experts`: an installed `experts.ExpertCollector` that sees every
+    batch too."""
     import torch
 
     dev = input_device(model)
@@ -437,13 +450,17 @@ def collect(
     with StatsCollector(model, groups, keep_batches=parts) as col, torch.inference_mode():
         for b in batches:
             col.set_mask(b["attention_mask"])
+            if experts is not None:
+                experts.set_mask(b["attention_mask"])
             extra = {}
-            if kv is not None:
+            if kv is not None and kv.problem is None:  # no cache for a model without k_proj / v_proj (MLA)
                 kv.set_mask(b["attention_mask"])
                 extra = kv.forward_kwargs()
             model(input_ids=b["input_ids"].to(dev), attention_mask=b["attention_mask"].to(dev), **{**kw, **extra})
             col.end_batch()
-            if kv is not None:
+            if experts is not None:
+                experts.end_batch()
+            if kv is not None and kv.problem is None:
                 kv.end_batch()
             if progress is not None:
                 progress(int(b["input_ids"].shape[0]), int(b["attention_mask"].sum()))
@@ -513,17 +530,18 @@ def calibrate(
     model_dir = modelio.resolve_model(model)
     modelio.check_architecture(model_dir, "calibrate")
     shapes = modelio.tensor_shapes(model_dir)
-    from .layout import refuse_experts
+    from .distributed import world_size
+    from .experts import expert_blocks
 
-    refuse_experts(shapes, "calibrated")
+    blocks = expert_blocks(shapes, "calibrated")
+    if blocks:
+        _check_moe_settings(config, world_size())
     check_in_features(_quantized_linears(shapes))
     fingerprint = modelio.fingerprint(model_dir)
     docs = data.load_documents(config.dataset)
     tokenizer = modelio.load_tokenizer(model_dir)
     samples = data.make_samples(tokenizer, docs, config.num_samples, config.seq_len, config.seed)
     batches = data.batches(samples, config.batch_size, data.pad_id(tokenizer))
-
-    from .distributed import world_size
 
     ranks = None
     if world_size() > 1:
@@ -537,14 +555,14 @@ def calibrate(
 
         ranks = Ranks.start(config.device)
         config = replace(config, device=ranks.device(config.device))
-    pipeline = choose_pipeline(config, shapes)
+    pipeline = "whole" if blocks else choose_pipeline(config, shapes)
     if ranks is not None:
         pipeline = ranks.broadcast(pipeline)  # auto: rank 0's choice (free memory differs by device)
     if resume and pipeline != "sequential":
         raise UserError("--resume continues a layer-by-layer run: pass --pipeline sequential with the interrupted run's settings")
     samples_sha256, versions_ = data.samples_digest(samples), versions()
     # The sequential pipeline does not smooth (AWQ needs the whole model).
-    smoothing, weight_algo = None, {"name": "rtn"}
+    smoothing, weight_algo, moe = None, {"name": "rtn"}, None
     if ranks is not None and pipeline == "sequential":
         got = _collect_ranks_sequential(ranks, model_dir, out, config, batches, show_progress and ranks.rank == 0)
         stats, num_tokens, kv_stats, kv_problem, groups, scores = got
@@ -558,8 +576,8 @@ def calibrate(
             model_dir, out, config, batches, show_progress, on_batch, key, resume
         )
     else:
-        stats, num_tokens, kv_stats, kv_problem, groups, smoothing, weight_algo, scores = _collect_whole(
-            model_dir, out, config, batches, shapes, show_progress, on_batch
+        stats, num_tokens, kv_stats, kv_problem, groups, smoothing, weight_algo, scores, moe = _collect_whole(
+            model_dir, out, config, batches, shapes, show_progress, on_batch, blocks
         )
     if scores is not None:
         scores["fingerprint"] = fingerprint
@@ -590,6 +608,8 @@ def calibrate(
         ),
         "config": asdict(config),
     }
+    if moe is not None:
+        record["moe"] = moe
 
     def write(tmp: Path) -> None:
         save_stats(stats, tmp / "salience.safetensors")
@@ -660,12 +680,39 @@ def choose_pipeline(config: CalibConfig, shapes) -> str:
     return "whole" if bytes_ < 0.8 * room else "sequential"
 
 
-def model_groups_of(net, model_dir) -> list[Group]:
-    """The decision groups of a loaded (or weightless) model's ``nn.Linear`` modules."""
-    linears = {n: (m.out_features, m.in_features) for n, m in net.named_modules() if _is_linear(m)}
+def _check_moe_settings(config: CalibConfig, ranks: int) -> None:
+    """What a mixture-of-experts calibration does not do yet, refused before any work."""
+    if config.scores != "none":
+        raise UserError(
+            f"--scores {config.scores} does not cover mixture-of-experts layers yet: use --scores none, then pack --ratio R "
+            "(one ratio for every group); nothing was calibrated"
+        )
+    if config.weight_algo != "rtn":
+        raise UserError("--weight-algo awq does not smooth mixture-of-experts layers yet: use --weight-algo rtn; nothing was calibrated")
+    if config.pipeline == "sequential":
+        raise UserError("--pipeline sequential does not run mixture-of-experts models yet: use --pipeline whole; nothing was calibrated")
+    if ranks > 1:
+        raise UserError("mixture-of-experts models calibrate in one process for now: run without torchrun; nothing was calibrated")
+
+
+def model_groups_of(net, model_dir, blocks=()) -> list[Group]:
+    """The decision groups of a loaded (or weightless) model's ``nn.Linear`` modules, and of the
+    experts of `blocks` (`experts.ExpertBlock`) under their checkpoint names, each block's at the
+    place of its fused module."""
+    fused = {}
+    if blocks:
+        from .experts import fused_modules
+
+        fused = {id(mod): b for b, mod in zip(blocks, fused_modules(net, list(blocks)).values())}
+    linears = {}
+    for n, m in net.named_modules():
+        if _is_linear(m):
+            linears[n] = (m.out_features, m.in_features)
+        elif id(m) in fused:
+            linears.update(fused[id(m)].linears())
     check_in_features(linears)
     experts = expert_modules([n for n in linears if is_quantized(n)])
-    if experts:
+    if experts and not blocks:
         raise UserError(f"mixture-of-experts linears (e.g. {experts[0]}) are not supported yet: calibrate a dense model")
     groups = group_linears(linears)
     if not groups:
@@ -894,7 +941,7 @@ def _smooth(net, batches, groups, config, shapes, show_progress):
     return smoothing, record
 
 
-def _collect_whole(model_dir, out, config, batches, shapes, show_progress, on_batch):
+def _collect_whole(model_dir, out, config, batches, shapes, show_progress, on_batch, blocks=()):
     from . import kvcache, modelio
 
     offload = None
@@ -903,7 +950,7 @@ def _collect_whole(model_dir, out, config, batches, shapes, show_progress, on_ba
             out.absolute().parent.mkdir(parents=True, exist_ok=True)
             offload = temp_sibling(out, "offload")
         net = modelio.load_model_on(model_dir, config.device, config.dtype, offload_folder=offload)
-        groups = model_groups_of(net, model_dir)
+        groups = model_groups_of(net, model_dir, blocks)
         smoothing, weight_algo = _smooth(net, batches, groups, config, shapes, show_progress)
 
         total = sum(int(b["input_ids"].shape[0]) for b in batches)
@@ -917,7 +964,18 @@ def _collect_whole(model_dir, out, config, batches, shapes, show_progress, on_ba
                     on_batch(done[0])
 
             kv = kvcache.KVCollector(net)
-            stats, num_tokens = collect(net, batches, groups, step, kv=kv)
+            moe = None
+            if blocks:
+                from .experts import ExpertCollector, is_expert
+
+                dense = [g for g in groups if not is_expert(g.modules[0])]
+                with ExpertCollector(net, list(blocks), config.moe_calib) as ec:
+                    stats, num_tokens = collect(net, batches, dense, step, kv=kv, experts=ec)
+                expert_stats, moe = ec.result()
+                stats.update(expert_stats)
+                _warn_fallbacks(ec.fallbacks)
+            else:
+                stats, num_tokens = collect(net, batches, groups, step, kv=kv)
             kv_stats = kv.result()
 
         scores = None
@@ -931,7 +989,18 @@ def _collect_whole(model_dir, out, config, batches, shapes, show_progress, on_ba
     finally:
         if offload is not None:
             shutil.rmtree(offload, ignore_errors=True)
-    return stats, num_tokens, kv_stats, kv.problem, groups, smoothing, weight_algo, scores
+    return stats, num_tokens, kv_stats, kv.problem, groups, smoothing, weight_algo, scores, moe
+
+
+def _warn_fallbacks(experts: list[str]) -> None:
+    if experts:
+        from .ui import say
+
+        more = f" and {len(experts) - 5} more" if len(experts) > 5 else ""
+        say(
+            f"warning: {len(experts)} experts saw no calibration token ({', '.join(experts[:5])}{more}): they take their "
+            "layer's pooled expert statistics; calibrate with --moe-calib all or more samples for their own"
+        )
 
 
 def _is_linear(m) -> bool:

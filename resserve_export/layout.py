@@ -14,7 +14,8 @@ from . import registry
 from .checkpoint import HF_QUANT_CONFIG, MODEL_INDEX, SIDECAR_INDEX, TensorSpec, natural_key, split_shards
 from .constants import SELECTION_GROUP
 from .errors import UserError
-from .groups import Group, expert_modules, group_linears, linears_from_shapes
+from .experts import expert_blocks
+from .groups import Group, group_linears, linears_from_shapes
 from .kext import ext_width
 
 # Files of a source model that are weights or that `pack` writes itself: never copied.
@@ -69,32 +70,10 @@ def kv_specs(shapes: dict[str, tuple[str, tuple[int, ...]]], fmt: str, kv_cache:
     return out
 
 
-def expert_tensors(shapes: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
-    """Tensors holding mixture-of-experts weights, whatever their layout: per-expert linears
-    (``….experts.E.gate_proj.weight``, Mixtral's ``….experts.E.w1.weight``), fused expert
-    parameters (``….experts.gate_up_proj`` [E, …], transformers 5 and gpt-oss), and any other
-    weight of three or more dimensions."""
-    fused = [n for n, (_, shape) in shapes.items() if len(shape) >= 3 and not n.endswith(".bias")]
-    return sorted({*expert_modules(list(shapes)), *fused}, key=natural_key)
-
-
-def refuse_experts(shapes: dict[str, tuple[str, tuple[int, ...]]], doing: str = "packed") -> None:
-    """Mixture-of-experts models are not supported yet: refuse them from the headers, before any
-    work (the fused expert parameters of transformers 5 are not `nn.Linear`, so a check on the
-    loaded model's linears would miss them and quantize attention only)."""
-    experts = expert_tensors(shapes)
-    if experts:
-        names = [n.removesuffix(".weight") for n in experts]
-        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-        raise UserError(
-            f"mixture-of-experts models are not supported yet ({', '.join(names[:3])}{more} hold expert weights): nothing was {doing}"
-        )
-
-
 def model_groups(shapes: dict[str, tuple[str, tuple[int, ...]]]) -> list[Group]:
     """Decision groups of a checkpoint from its headers (what `size` estimates from a config);
-    MoE experts are refused."""
-    refuse_experts(shapes)
+    per expert, gate+up and down (expert layouts that cannot be quantized completely are refused)."""
+    expert_blocks(shapes)
     linears = linears_from_shapes(shapes)
     return group_linears({m: linears[m] for m in sorted(linears, key=natural_key)})
 
@@ -186,4 +165,4 @@ def build_layout(
     return Layout(fmt, items, model, sidecar, records, cls)
 
 
-__all__ = ["Layout", "build_layout", "kv_specs", "model_groups", "recorded_groups", "refuse_experts", "OWN_FILES", "WEIGHT_SUFFIXES"]
+__all__ = ["Layout", "build_layout", "kv_specs", "model_groups", "recorded_groups", "OWN_FILES", "WEIGHT_SUFFIXES"]

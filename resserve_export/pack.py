@@ -49,8 +49,9 @@ from .checkpoint import (
 from .constants import RATIOS
 from .awq import FILE as AWQ_FILE, Smoothing, file_digest
 from .errors import UserError
+from .experts import expert_blocks, routers
 from .groups import Group
-from .layout import OWN_FILES, WEIGHT_SUFFIXES, build_layout, model_groups, recorded_groups, refuse_experts
+from .layout import OWN_FILES, WEIGHT_SUFFIXES, build_layout, model_groups, recorded_groups
 from .mxfp4 import ScaleRounding
 from .outputs import check_out_dir, check_writable, write_dir_atomic
 from .ui import Progress
@@ -289,7 +290,7 @@ def pack(
     if cfg.get("quantization_config"):
         raise UserError(f"{model_dir} is already quantized ({cfg['quantization_config'].get('quant_method')}): pack needs a bf16/fp16 model")
     shapes = source.shapes()
-    refuse_experts(shapes)
+    blocks = expert_blocks(shapes, "packed")
     fingerprint = modelio.fingerprint(model_dir)
     # The quantized linears and their fused groups are the ones calibrate found on the loaded
     # model (one rule), not re-derived from the headers.
@@ -332,7 +333,8 @@ def pack(
             "smoothed_groups": len(smoothing.folds),
             "scales_sha256": file_digest(Path(calib) / calib_meta["weight_algo"].get("file", AWQ_FILE)),
         }
-    ignore = ["lm_head"]
+    # Routers stay in bf16: named so that no loader quantizes them.
+    ignore = ["lm_head", *routers(shapes, blocks)]
     qc = f.quantization_config(ignore, __version__, kv_cache)
     qc["resserve"] = resserve_section(fmt, rounding.value, layout.groups, provenance, kv_cache)
     new_cfg = dict(cfg)

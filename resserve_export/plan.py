@@ -97,6 +97,15 @@ def read_scores(calib: Path, allow_other_weights: bool = False) -> tuple[dict, d
         raise UserError(f"calibration directory {calib} does not exist: run `resserve-export calibrate` first")
     path = calib / SCORES_FILE
     if not path.exists():
+        try:
+            moe = "moe" in json.loads((calib / "calibration.json").read_text())
+        except (OSError, ValueError):
+            moe = False
+        if moe:
+            raise UserError(
+                f"{calib} calibrates a mixture-of-experts model, for which calibrate computes no planner scores yet: "
+                "pack it with --ratio R (one ratio for every group)"
+            )
         raise UserError(
             f"{calib} has no sensitivity scores ({SCORES_FILE}): run `resserve-export calibrate` with `--scores kl` or `--scores grad`"
         )

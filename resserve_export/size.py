@@ -1,6 +1,7 @@
 """`size`: bytes of a packed checkpoint from ``config.json`` alone (SPEC §8).
 
-The tensor names and shapes a dense decoder (Llama, Mistral, Qwen2, Qwen3) saves are derived
+The tensor names and shapes a decoder (Llama, Mistral, Qwen2, Qwen3, and the mixtures of experts
+Qwen3-MoE and Mixtral, per-expert as their checkpoints name them) saves are derived
 from its config, then fed to the very layout function `pack` uses, so the safetensors files
 (headers included), their index files and ``hf_quant_config.json`` are counted exactly. Per
 quantized linear ``[N, K]`` this is SPEC §8's formula: NVFP4 ``N·K/2 + N·K/16 + 8`` (the 8 are
@@ -27,10 +28,11 @@ from .checkpoint import (
     ST_METADATA,
 )
 from .errors import UserError
+from .experts import expert_blocks, routers
 from .layout import build_layout, model_groups
 from .pack import check_format_arg, load_ratios
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 _ST_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
@@ -39,8 +41,8 @@ def shapes_from_config(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
     mt = cfg.get("model_type")
     if mt not in SUPPORTED:
         raise UserError(f"size knows the tensor layout of {', '.join(SUPPORTED)} configs, not {mt!r}: pack the model and run `inspect` instead")
-    if cfg.get("num_experts") or cfg.get("num_local_experts"):
-        raise UserError("MoE models are not supported yet (the config declares experts)")
+    if mt not in ("qwen3_moe", "mixtral") and (cfg.get("num_experts") or cfg.get("num_local_experts")):
+        raise UserError(f"size knows the experts of qwen3_moe and mixtral configs, not of {mt!r}: pack the model and run `inspect` instead")
     try:
         H, I, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
         nh, V = cfg["num_attention_heads"], cfg["vocab_size"]
@@ -60,21 +62,46 @@ def shapes_from_config(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
         p = f"model.layers.{i}"
         out[f"{p}.input_layernorm.weight"] = (dt, (H,))
         out[f"{p}.post_attention_layernorm.weight"] = (dt, (H,))
+        mlp = _experts(cfg, i, H, dt) or [("mlp.gate_proj", I, H, mlp_bias), ("mlp.up_proj", I, H, mlp_bias), ("mlp.down_proj", H, I, mlp_bias)]
         for name, n, k, bias in (
             ("self_attn.q_proj", nh * hd, H, qkv_bias),
             ("self_attn.k_proj", nkv * hd, H, qkv_bias),
             ("self_attn.v_proj", nkv * hd, H, qkv_bias),
             ("self_attn.o_proj", H, nh * hd, o_bias),
-            ("mlp.gate_proj", I, H, mlp_bias),
-            ("mlp.up_proj", I, H, mlp_bias),
-            ("mlp.down_proj", H, I, mlp_bias),
+            *mlp,
         ):
             out[f"{p}.{name}.weight"] = (dt, (n, k))
             if bias:
                 out[f"{p}.{name}.bias"] = (dt, (n,))
-        if mt == "qwen3":
+        if mt in ("qwen3", "qwen3_moe"):
             out[f"{p}.self_attn.q_norm.weight"] = (dt, (hd,))
             out[f"{p}.self_attn.k_norm.weight"] = (dt, (hd,))
+    return out
+
+
+def _experts(cfg: dict, layer: int, H: int, dt: str) -> list[tuple[str, int, int, bool]]:
+    """A sparse layer's router and per-expert projections as the checkpoint names them (empty
+    for a dense layer): Qwen3-MoE ``mlp.experts.E.{gate,up,down}_proj`` and ``mlp.gate``,
+    Mixtral ``block_sparse_moe.experts.E.w{1,3,2}`` and ``block_sparse_moe.gate``."""
+    mt = cfg["model_type"]
+    if mt == "qwen3_moe":
+        # hub configs say num_experts, transformers 5 saves num_local_experts
+        E, I = cfg.get("num_experts") or cfg.get("num_local_experts") or 0, cfg.get("moe_intermediate_size")
+        step = cfg.get("decoder_sparse_step") or 1
+        if not E or layer in (cfg.get("mlp_only_layers") or []) or (layer + 1) % step:
+            return []
+        root, leaves = "mlp", ("gate_proj", "up_proj", "down_proj")
+    elif mt == "mixtral":
+        E, I = cfg.get("num_local_experts") or 0, cfg.get("intermediate_size")
+        root, leaves = "block_sparse_moe", ("w1", "w3", "w2")
+    else:
+        return []
+    if not isinstance(I, int) or not E:
+        raise UserError("config declares experts without their sizes (num_experts / moe_intermediate_size): pass the model's config.json")
+    out = [(f"{root}.gate", E, H, False)]
+    for e in range(E):
+        out += [(f"{root}.experts.{e}.{leaves[0]}", I, H, False), (f"{root}.experts.{e}.{leaves[1]}", I, H, False)]
+        out.append((f"{root}.experts.{e}.{leaves[2]}", H, I, False))
     return out
 
 
@@ -130,7 +157,8 @@ def estimate(
     meta = len(dump_json(index_json(MODEL_PREFIX, model_shards)))
     if side_shards:
         meta += len(dump_json(index_json(SIDECAR_PREFIX, side_shards)))
-    meta += sum(len(dump_json(obj)) for obj in f.extra_files(["lm_head"], __version__, kv_cache).values())
+    ignore = ["lm_head", *routers(shapes, expert_blocks(shapes))]
+    meta += sum(len(dump_json(obj)) for obj in f.extra_files(ignore, __version__, kv_cache).values())
     classes["safetensors headers"] = headers
     classes["index / quant json"] = meta
     classes["config, tokenizer, other files"] = int(other_bytes)

@@ -689,6 +689,14 @@ def verify(
     if out is not None:
         check_out_dir(Path(out), overwrite)
     ck = Checkpoint(ckpt)
+    from .experts import is_expert
+
+    experts = [m for g in ck.groups for m in g["members"] if is_expert(m)]
+    if experts:
+        raise UserError(
+            f"{ckpt} quantizes mixture-of-experts linears ({experts[0]} and {len(experts) - 1} more): verify does not "
+            "evaluate experts yet; `inspect` lists its tensors"
+        )
     model_dir = modelio.resolve_model(model)
     prov = ck.resserve.get("provenance") or {}
     fp = modelio.fingerprint(model_dir)

@@ -82,6 +82,15 @@ def command(
             "do not fit the devices and the run needs neither KL scores nor AWQ)." + _default(_D.pipeline, preset=False),
         ),
     ] = None,
+    moe_calib: Annotated[
+        Optional[str],
+        typer.Option(
+            "--moe-calib",
+            help="Mixture-of-experts models: the tokens each expert's statistics come from: all (every expert also runs on "
+            "every calibration token, the model's output keeping the true routing) or routed (the tokens the router sends it; "
+            "an expert that saw none takes its layer's pooled statistics, with a warning)." + _default(_D.moe_calib, preset=False),
+        ),
+    ] = None,
     resume: Annotated[
         bool,
         typer.Option(
@@ -101,7 +110,7 @@ def command(
         model, out, config=config, overwrite=overwrite, progress=not quiet, dataset=dataset, num_samples=num_samples,
         seq_len=seq_len, batch_size=batch_size, seed=seed, device=device, dtype=dtype, scores=scores,
         score_samples=score_samples, score_precision=score_precision, format=format, mx_scale=mx_scale,
-        weight_algo=weight_algo, awq_tokens=awq_tokens, pipeline=pipeline, resume=resume,
+        weight_algo=weight_algo, awq_tokens=awq_tokens, pipeline=pipeline, moe_calib=moe_calib, resume=resume,
     )
     if os.environ.get("RANK", "0") != "0":
         return  # under torchrun, rank 0 reports

@@ -1,0 +1,323 @@
+"""Mixture-of-experts blocks: which checkpoint tensors are experts, how they map onto the loaded
+model, and the calibration hooks that see each expert's input rows.
+
+Checkpoints name experts per expert (``model.layers.L.mlp.experts.E.gate_proj.weight``,
+Mixtral's ``…block_sparse_moe.experts.E.w1.weight``); transformers 5 loads them as fused 3-D
+parameters of one module per layer (``gate_up_proj`` ``[E, 2I, H]``, gate rows first, and
+``down_proj`` ``[E, H, I]``) whose forward takes ``(hidden_states, top_k_index, top_k_weights)``.
+Everything this tool writes (salience keys, decision groups, checkpoint tensors, sidecar) uses the
+checkpoint's per-expert names; only the calibration hooks know the fused layout.
+
+Per expert, gate and up read the same rows (one decision group: one mask, one ``weight_scale_2``,
+as vLLM fuses them into w13) and down reads ``act(gate) * up``. Routers stay unquantized.
+
+Calibration (`ExpertCollector`) runs each layer's experts as transformers' eager loop does (one
+expert at a time over its routed rows; transformers' default ``grouped_mm`` may round the sums
+differently) and takes statistics inside it: ``routed`` takes each expert's statistics over the tokens the
+router sends it; ``all`` (the default) runs every expert on every calibration token for its
+statistics while the model's output keeps the true routing, so rarely routed experts still get
+scales from real activations. Either way the routed-token count per expert is recorded. An
+expert that saw no token (``routed`` only) takes the pooled statistics of its layer's experts:
+mean |x| = Σ|x| / Σ tokens over the experts that saw tokens, amax = their maximum; a warning
+names it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import UserError
+
+MOE_CALIB = ("all", "routed")
+# Checkpoint leaf names of an expert's projections, by role.
+ROLES = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<leaf>[A-Za-z0-9_]+)\.weight$")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ExpertBlock:
+    """One layer's experts as the checkpoint names them."""
+
+    prefix: str  # "model.layers.3.mlp.experts"
+    num_experts: int
+    leaves: tuple[str, str, str]  # checkpoint leaf names of (gate, up, down)
+    hidden: int
+    intermediate: int
+
+    @property
+    def layer(self) -> int | None:
+        m = _LAYER.search(self.prefix + ".")
+        return int(m.group(1)) if m else None
+
+    def module(self, e: int, role: str) -> str:
+        return f"{self.prefix}.{e}.{self.leaves[('gate', 'up', 'down').index(role)]}"
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """``{module: (out_features, in_features)}`` of every expert projection, expert by expert."""
+        out = {}
+        for e in range(self.num_experts):
+            out[self.module(e, "gate")] = (self.intermediate, self.hidden)
+            out[self.module(e, "up")] = (self.intermediate, self.hidden)
+            out[self.module(e, "down")] = (self.hidden, self.intermediate)
+        return out
+
+
+def _refuse(what: str, doing: str) -> UserError:
+    return UserError(f"{what}: this mixture-of-experts layout is not supported; nothing was {doing}")
+
+
+def expert_blocks(shapes: dict[str, tuple[str, tuple[int, ...]]], doing: str = "done") -> list[ExpertBlock]:
+    """The expert blocks of a checkpoint from its headers, refusing any layout that cannot be
+    quantized completely: fused expert tensors on disk (gpt-oss), other 3-D weights, experts
+    whose projections are not gate / up / down, or experts of differing shapes."""
+    from .checkpoint import natural_key
+
+    fused = sorted((n for n, (_, s) in shapes.items() if len(s) >= 3), key=natural_key)
+    if fused:
+        raise _refuse(
+            f"{fused[0]} is a {len(shapes[fused[0]][1])}-D tensor (fused expert weights as gpt-oss stores them, with their biases)",
+            doing,
+        )
+    found: dict[str, dict[int, dict[str, tuple[str, tuple[int, ...]]]]] = {}
+    for n, (dtype, shape) in shapes.items():
+        m = _EXPERT_WEIGHT.match(n)
+        if m:
+            found.setdefault(m["prefix"], {}).setdefault(int(m["e"]), {})[m["leaf"]] = (dtype, tuple(shape))
+    blocks = []
+    for prefix in sorted(found, key=natural_key):
+        experts = found[prefix]
+        E = len(experts)
+        if sorted(experts) != list(range(E)):
+            raise _refuse(f"{prefix} numbers its experts {sorted(experts)[:4]}…, not 0..{E - 1}", doing)
+        leaves = set(experts[0])
+        roles = {ROLES.get(x) for x in leaves}
+        if roles != {"gate", "up", "down"} or len(leaves) != 3:
+            raise _refuse(f"{prefix}.0 holds {', '.join(sorted(leaves))}, not gate / up / down projections", doing)
+        by_role = {ROLES[x]: x for x in leaves}
+        gate, up, down = (by_role[r] for r in ("gate", "up", "down"))
+        I, H = experts[0][gate][1]
+        for e, projs in experts.items():
+            want = {gate: (I, H), up: (I, H), down: (H, I)}
+            got = {x: s for x, (_, s) in projs.items()}
+            if got != want:
+                raise _refuse(f"{prefix}.{e} has projections {got}, unlike expert 0's {want}", doing)
+        blocks.append(ExpertBlock(prefix, E, (gate, up, down), H, I))
+    return blocks
+
+
+def routers(shapes: dict[str, tuple[str, tuple[int, ...]]], blocks: list[ExpertBlock]) -> list[str]:
+    """The router (gate) linears of the expert blocks: 2-D weights ``[E, H]`` beside the experts."""
+    out = []
+    for b in blocks:
+        parent = b.prefix.rsplit(".", 1)[0]
+        for leaf in ("gate", "router"):
+            spec = shapes.get(f"{parent}.{leaf}.weight")
+            if spec is not None and tuple(spec[1]) == (b.num_experts, b.hidden):
+                out.append(f"{parent}.{leaf}")
+    return out
+
+
+def is_expert(module: str) -> bool:
+    return _EXPERT_WEIGHT.match(module + ".weight") is not None
+
+
+# --- the loaded model ------------------------------------------------------------------------
+
+
+def fused_modules(model, blocks: list[ExpertBlock]) -> dict[str, object]:
+    """``{block prefix: the loaded model's fused experts module}``, matched by decoder layer and
+    checked against the checkpoint's shapes; a layout this tool cannot hook is refused."""
+    import inspect
+
+    import torch
+
+    by_layer: dict[int, list[tuple[str, object]]] = {}
+    per_expert_linears = []
+    for name, mod in model.named_modules():
+        gu, dn = getattr(mod, "gate_up_proj", None), getattr(mod, "down_proj", None)
+        if isinstance(gu, torch.nn.Parameter) and isinstance(dn, torch.nn.Parameter) and gu.dim() == 3:
+            m = _LAYER.search(name + ".")
+            by_layer.setdefault(int(m.group(1)) if m else -1, []).append((name, mod))
+        elif isinstance(mod, torch.nn.Linear) and is_expert(name):
+            per_expert_linears.append(name)
+    if per_expert_linears:
+        raise UserError(
+            f"the loaded model holds experts as separate linears ({per_expert_linears[0]}), which calibration cannot "
+            "attribute to routed tokens; load it with transformers >= 5 (fused experts); nothing was calibrated"
+        )
+    out = {}
+    for b in blocks:
+        cands = by_layer.get(b.layer if b.layer is not None else -1, [])
+        if len(cands) != 1:
+            raise UserError(f"found {len(cands)} fused expert modules for {b.prefix} in the loaded model: its layout is not supported; nothing was calibrated")
+        name, mod = cands[0]
+        E, H, I = b.num_experts, b.hidden, b.intermediate
+        if tuple(mod.gate_up_proj.shape) != (E, 2 * I, H) or tuple(mod.down_proj.shape) != (E, H, I):
+            raise UserError(
+                f"{name} holds gate_up_proj {tuple(mod.gate_up_proj.shape)} and down_proj {tuple(mod.down_proj.shape)}, not "
+                f"[{E}, {2 * I}, {H}] and [{E}, {H}, {I}] as the checkpoint's experts imply: its layout is not supported; nothing was calibrated"
+            )
+        params = list(inspect.signature(mod.forward).parameters)
+        if params[:3] != ["hidden_states", "top_k_index", "top_k_weights"] or not hasattr(mod, "act_fn"):
+            raise UserError(f"{name}.forward{tuple(params)} is not the experts interface calibration hooks; nothing was calibrated")
+        out[b.prefix] = mod
+    return out
+
+
+class ExpertCollector:
+    """Per-expert Σ|x| (float64), amax and token counts over the valid (non-padding) tokens, for
+    every fused experts module of the model; the modules' forward is replaced while installed
+    (same arithmetic as transformers' eager experts loop, so the model's output is unchanged)."""
+
+    def __init__(self, model, blocks: list[ExpertBlock], mode: str = "all"):
+        if mode not in MOE_CALIB:
+            raise UserError(f"--moe-calib must be one of {', '.join(MOE_CALIB)}, got {mode!r}")
+        self.blocks = blocks
+        self.mode = mode
+        self._modules = fused_modules(model, blocks)
+        self._valid = None
+        self._acc: dict[str, dict] = {}
+        for b in blocks:
+            self._acc[b.prefix] = {
+                "routed": [0] * b.num_experts,
+                "rows": [0] * b.num_experts,
+                "sum_in": [None] * b.num_experts,
+                "amax_in": [None] * b.num_experts,
+                "sum_mid": [None] * b.num_experts,
+                "amax_mid": [None] * b.num_experts,
+            }
+        for b in blocks:
+            mod = self._modules[b.prefix]
+            mod.forward = self._forward(mod, self._acc[b.prefix])
+
+    def __enter__(self) -> ExpertCollector:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        for mod in self._modules.values():
+            mod.__dict__.pop("forward", None)
+
+    def set_mask(self, attention_mask) -> None:
+        self._valid = attention_mask.detach().reshape(-1).to("cpu").bool()
+
+    @staticmethod
+    def _add(acc: dict, key: str, e: int, x) -> None:
+        import torch
+
+        s = x.abs().sum(0, dtype=torch.float64)
+        m = x.abs().amax().float() if x.shape[0] else torch.zeros((), dtype=torch.float32, device=x.device)
+        if acc["sum_" + key][e] is None:
+            acc["sum_" + key][e], acc["amax_" + key][e] = s, m
+        else:
+            acc["sum_" + key][e] += s
+            acc["amax_" + key][e] = torch.maximum(acc["amax_" + key][e], m)
+
+    def _forward(self, mod, acc: dict):
+        import torch
+        from torch.nn import functional as F
+
+        def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+            if self._valid is None:
+                raise RuntimeError("ExpertCollector.set_mask() must be called before each forward pass")
+            E = mod.gate_up_proj.shape[0]
+            valid = self._valid.to(hidden_states.device)
+            if valid.numel() != hidden_states.shape[0]:
+                raise UserError(
+                    f"the experts see {hidden_states.shape[0]} rows, not the batch's {valid.numel()} tokens: padding cannot be "
+                    "excluded for them; this architecture's layout is not supported"
+                )
+            final = torch.zeros_like(hidden_states)
+            with torch.no_grad():
+                everyone = hidden_states[valid] if self.mode == "all" else None
+                if everyone is not None:
+                    s_all = everyone.abs().sum(0, dtype=torch.float64)
+                    m_all = everyone.abs().amax().float() if everyone.shape[0] else torch.zeros((), device=everyone.device)
+                for e in range(E):
+                    top_k_pos, token_idx = torch.where((top_k_index == e).t())
+                    keep = valid[token_idx]
+                    acc["routed"][e] += int(keep.sum())
+                    if token_idx.numel():
+                        x = hidden_states[token_idx]
+                        gate, up = F.linear(x, mod.gate_up_proj[e]).chunk(2, dim=-1)
+                        h = mod.act_fn(gate) * up
+                        y = F.linear(h, mod.down_proj[e]) * top_k_weights[token_idx, top_k_pos, None]
+                        final.index_add_(0, token_idx, y.to(final.dtype))
+                    if everyone is None:
+                        if token_idx.numel():
+                            self._add(acc, "in", e, x[keep])
+                            self._add(acc, "mid", e, h[keep])
+                            acc["rows"][e] += int(keep.sum())
+                    else:
+                        if acc["sum_in"][e] is None:
+                            acc["sum_in"][e], acc["amax_in"][e] = s_all.clone(), m_all.clone()
+                        else:
+                            acc["sum_in"][e] += s_all
+                            acc["amax_in"][e] = torch.maximum(acc["amax_in"][e], m_all)
+                        g_all, u_all = F.linear(everyone, mod.gate_up_proj[e]).chunk(2, dim=-1)
+                        self._add(acc, "mid", e, mod.act_fn(g_all) * u_all)
+                        acc["rows"][e] += int(everyone.shape[0])
+            return final
+
+        return forward
+
+    def end_batch(self) -> None:
+        """Stop at the first expert block whose activations hold NaN/Inf."""
+        import torch
+
+        self._valid = None
+        for b in self.blocks:
+            a = self._acc[b.prefix]
+            maxima = [m for m in a["amax_in"] + a["amax_mid"] if m is not None]
+            if maxima and not bool(torch.isfinite(torch.stack(maxima)).all()):
+                raise UserError(
+                    f"non-finite (NaN/Inf) activations reach the experts of {b.prefix}: the model's weights or dtype overflow; "
+                    "try --dtype float32 or check the checkpoint"
+                )
+
+    def result(self) -> tuple[dict[str, dict], dict]:
+        """(salience ``{module: {"mean_abs", "amax"}}`` under checkpoint names, calibration.json's
+        ``moe`` record: mode, routed-token counts per expert, experts that took the fallback)."""
+        import torch
+
+        stats: dict[str, dict] = {}
+        record = {"calib": self.mode, "blocks": {}}
+        fallbacks = []
+        for b in self.blocks:
+            a = self._acc[b.prefix]
+            seen = [e for e in range(b.num_experts) if a["rows"][e] > 0]
+            rows_total = sum(a["rows"][e] for e in seen)
+            pooled = None
+            if len(seen) < b.num_experts:
+                if not seen:
+                    raise UserError(f"no expert of {b.prefix} saw a calibration token: use more samples or --moe-calib all")
+                pooled = {
+                    "in": (sum(a["sum_in"][e] for e in seen) / rows_total, torch.stack([a["amax_in"][e] for e in seen]).amax()),
+                    "mid": (sum(a["sum_mid"][e] for e in seen) / rows_total, torch.stack([a["amax_mid"][e] for e in seen]).amax()),
+                }
+            missing = []
+            for e in range(b.num_experts):
+                for key, roles in (("in", ("gate", "up")), ("mid", ("down",))):
+                    if a["rows"][e] > 0:
+                        mean, amax = a["sum_" + key][e] / a["rows"][e], a["amax_" + key][e]
+                    else:
+                        mean, amax = pooled[key]
+                    for r in roles:
+                        stats[b.module(e, r)] = {
+                            "mean_abs": mean.to("cpu", torch.float32).contiguous(),
+                            "amax": amax.to("cpu", torch.float32).reshape(()).clone(),
+                        }
+                if a["rows"][e] == 0:
+                    missing.append(e)
+            fallbacks += [f"{b.prefix}.{e}" for e in missing]
+            record["blocks"][b.prefix] = {"experts": b.num_experts, "routed_tokens": list(a["routed"]), "fallback": missing}
+        record["fallback_rule"] = "pooled statistics of the layer's experts that saw tokens (sum |x| / sum tokens, max amax)"
+        self.fallbacks = fallbacks
+        return stats, record
+
+
+__all__ = ["ExpertBlock", "ExpertCollector", "MOE_CALIB", "ROLES", "expert_blocks", "fused_modules", "is_expert", "routers"]

@@ -1,0 +1,400 @@
+"""Mixture-of-experts models: every expert calibrated (routed or all tokens), packed per expert in
+the layouts vLLM loads, sized from its config; layouts that cannot be quantized completely are
+refused up front.
+
+Tiny random Qwen3-MoE, Mixtral and DeepSeek-V3 (MLA attention, a dense first layer, a shared
+expert) are built here. Their checkpoints name experts per expert (hub style) while transformers 5
+loads them as fused 3-D parameters; both layouts are exercised by every test that loads a model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import bits
+from fixtures.tiny import make_calibration
+from safetensors import safe_open
+from torch.nn import functional as F
+
+from resserve_export import calibrate as cal
+from resserve_export import data, formats, modelio, nvfp4
+from resserve_export.checkpoint import read_checkpoint
+from resserve_export.errors import UserError
+from resserve_export.experts import ExpertCollector, expert_blocks, fused_modules
+from resserve_export.pack import pack
+from resserve_export.selection import mask_to_bool
+from resserve_export.size import estimate
+
+from test_calibrate import add_tokenizer, varied_texts, write_jsonl
+from test_exit_codes import assert_one_line_error, leftovers, run
+from test_size import _written
+
+torch.set_num_threads(2)
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512)
+TOP_K = 2
+
+
+def _configs():
+    import transformers as T
+
+    return {
+        "qwen3_moe": T.Qwen3MoeForCausalLM(
+            T.Qwen3MoeConfig(**TINY, intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=TOP_K, head_dim=16)
+        ),
+        "mixtral": T.MixtralForCausalLM(T.MixtralConfig(**TINY, intermediate_size=64, num_local_experts=4, num_experts_per_tok=TOP_K)),
+        "deepseek_v3": T.DeepseekV3ForCausalLM(
+            T.DeepseekV3Config(
+                **{**TINY, "num_key_value_heads": 4}, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4,
+                num_experts_per_tok=TOP_K, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=32,
+                qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,
+            )
+        ),
+        "gpt_oss": T.GptOssForCausalLM(
+            T.GptOssConfig(**TINY, intermediate_size=64, num_local_experts=4, num_experts_per_tok=TOP_K, head_dim=16,
+                           layer_types=["sliding_attention", "full_attention"])
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> dict:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    root = tmp_path_factory.mktemp("moe")
+    torch.manual_seed(0)
+    models = {}
+    for name, m in _configs().items():
+        m.to(torch.bfloat16).save_pretrained(root / name)
+        models[name] = add_tokenizer(root / name)
+    return {"root": root, "texts": write_jsonl(root / "docs.jsonl", varied_texts(10)), "models": models, "calib": {}}
+
+
+def _config(moe, mode: str):
+    return cal.make_config("quick", dataset=str(moe["texts"]), num_samples=7, seq_len=48, batch_size=3, device="cpu", scores="none", moe_calib=mode)
+
+
+def _calibrated(moe, arch: str, mode: str = "routed") -> Path:
+    key = (arch, mode)
+    if key not in moe["calib"]:
+        moe["calib"][key] = cal.calibrate(str(moe["models"][arch]), moe["root"] / f"calib-{arch}-{mode}", _config(moe, mode), show_progress=False).path
+    return moe["calib"][key]
+
+
+def _source(model: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in modelio.weight_files(model):
+        with safe_open(str(f), "pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+ARCHS = ["qwen3_moe", "mixtral", "deepseek_v3"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_parameters_are_the_checkpoint_experts(moe, arch):
+    """The blocks found in the headers name the experts as the checkpoint does, and the loaded
+    model's fused parameters hold exactly those weights (gate rows first), expert by expert."""
+    model = moe["models"][arch]
+    blocks = expert_blocks(modelio.tensor_shapes(model))
+    want_leaves = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    layers = [1] if arch == "deepseek_v3" else [0, 1]  # DeepSeek's first layer is dense
+    assert [b.layer for b in blocks] == layers and all(b.leaves == want_leaves for b in blocks)
+    net = modelio.load_model(model)
+    src = _source(model)
+    for b, mod in fused_modules(net, blocks).items():
+        blk = next(x for x in blocks if x.prefix == b)
+        for e in range(blk.num_experts):
+            I = blk.intermediate
+            assert torch.equal(mod.gate_up_proj[e, :I], src[blk.module(e, "gate") + ".weight"])
+            assert torch.equal(mod.gate_up_proj[e, I:], src[blk.module(e, "up") + ".weight"])
+            assert torch.equal(mod.down_proj[e], src[blk.module(e, "down") + ".weight"])
+
+
+def _oracle(moe, arch: str, mode: str) -> tuple[dict, dict, int]:
+    """Per-expert statistics from transformers' own experts forward (unmodified), in float64:
+    ``{module: (Σ|x|, amax, rows)}``, routed-token counts per block, and valid tokens."""
+    model = moe["models"][arch]
+    cfg = _config(moe, mode)
+    tok = modelio.load_tokenizer(model)
+    samples = data.make_samples(tok, data.load_documents(cfg.dataset), cfg.num_samples, cfg.seq_len, cfg.seed)
+    batches = data.batches(samples, cfg.batch_size, data.pad_id(tok))
+    net = modelio.load_model(model)
+    net.config._experts_implementation = "eager"  # what calibration runs (transformers' default may batch differently)
+    blocks = expert_blocks(modelio.tensor_shapes(model))
+    src = {k: v.double() for k, v in _source(model).items()}
+    sums: dict = {}
+    counts = {b.prefix: [0] * b.num_experts for b in blocks}
+    state = {}
+
+    def add(name, x):
+        s, m, n = sums.get(name, (0.0, torch.zeros(()), 0))
+        sums[name] = (s + x.abs().sum(0), torch.maximum(m, x.abs().max() if len(x) else torch.zeros(())), n + len(x))
+
+    def hook_for(b):
+        def hook(_mod, args, kwargs):
+            hs, idx = args[0].double(), args[1]
+            valid = state["valid"]
+            for e in range(b.num_experts):
+                routed = (idx == e).any(-1) & valid
+                counts[b.prefix][e] += int(routed.sum())
+                rows = hs[routed] if mode == "routed" else hs[valid]
+                g = rows @ src[b.module(e, "gate") + ".weight"].t()
+                u = rows @ src[b.module(e, "up") + ".weight"].t()
+                add(b.module(e, "gate"), rows)
+                add(b.module(e, "down"), F.silu(g) * u)
+        return hook
+
+    handles = [mod.register_forward_pre_hook(hook_for(next(b for b in blocks if b.prefix == p)), with_kwargs=True)
+               for p, mod in fused_modules(net, blocks).items()]
+    tokens = 0
+    with torch.inference_mode():
+        for bt in batches:
+            state["valid"] = bt["attention_mask"].reshape(-1).bool()
+            tokens += int(state["valid"].sum())
+            net(input_ids=bt["input_ids"], attention_mask=bt["attention_mask"], use_cache=False)
+    for h in handles:
+        h.remove()
+    return sums, counts, tokens
+
+
+@pytest.mark.parametrize("mode", ["routed", "all"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_expert_is_calibrated_on_its_tokens(moe, arch, mode):
+    calib = _calibrated(moe, arch, mode)
+    rec = json.loads((calib / "calibration.json").read_text())
+    sums, counts, tokens = _oracle(moe, arch, mode)
+    assert rec["num_tokens"] == tokens and rec["moe"]["calib"] == mode
+    blocks = rec["moe"]["blocks"]
+    assert {p: b["routed_tokens"] for p, b in blocks.items()} == counts
+    for b in blocks.values():
+        assert sum(b["routed_tokens"]) == tokens * TOP_K and b["fallback"] == []
+    with safe_open(str(calib / "salience.safetensors"), "pt") as h:
+        stats = {k: h.get_tensor(k) for k in h.keys()}
+    blk = expert_blocks(modelio.tensor_shapes(moe["models"][arch]))
+    for b in blk:
+        for e in range(b.num_experts):
+            g, u, d = (b.module(e, r) for r in ("gate", "up", "down"))
+            s, m, n = sums[g]
+            assert n == (counts[b.prefix][e] if mode == "routed" else tokens)
+            # gate/up read the hidden states themselves: exact (bf16 values, float64 sums)
+            assert torch.equal(stats[f"{g}.mean_abs"], (s / n).float()) and torch.equal(stats[f"{u}.mean_abs"], stats[f"{g}.mean_abs"])
+            assert torch.equal(stats[f"{g}.amax"], m.float()) and torch.equal(stats[f"{u}.amax"], m.float())
+            # down reads act(gate)·up, which the model computes in bf16 and the oracle in float64
+            s, m, n = sums[d]
+            torch.testing.assert_close(stats[f"{d}.mean_abs"].double(), s / n, rtol=2e-2, atol=1e-3)
+            torch.testing.assert_close(stats[f"{d}.amax"].double(), m, rtol=2e-2, atol=1e-3)
+    # every quantized linear has statistics, and the groups are per expert: gate+up, down
+    groups = [tuple(g) for g in rec["groups"]]
+    for b in blk:
+        for e in range(b.num_experts):
+            assert (b.module(e, "gate"), b.module(e, "up")) in groups and (b.module(e, "down"),) in groups
+    assert all(f"{m}.mean_abs" in stats for g in groups for m in g)
+
+
+def test_the_collector_keeps_the_models_output(moe):
+    """With the hooks installed the model computes what transformers' eager experts compute."""
+    model = moe["models"]["qwen3_moe"]
+    net = modelio.load_model(model)
+    net.config._experts_implementation = "eager"
+    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 20:] = 0
+    with torch.inference_mode():
+        ref = net(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        with ExpertCollector(net, expert_blocks(modelio.tensor_shapes(model)), "all") as ec:
+            ec.set_mask(mask)
+            got = net(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            ec.end_batch()
+        again = net(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert torch.equal(got, ref) and torch.equal(again, ref)
+
+
+def test_an_expert_no_token_reached_takes_the_pooled_statistics(moe):
+    model = moe["models"]["mixtral"]
+    net = modelio.load_model(model)
+    blocks = expert_blocks(modelio.tensor_shapes(model))
+    mods = fused_modules(net, blocks)
+    torch.manual_seed(1)
+    hs = torch.randn(10, 64).to(torch.bfloat16)
+    idx = torch.tensor([[0, 1], [1, 2], [0, 2]] * 3 + [[2, 0]])  # expert 3 never routed
+    w = torch.full((10, 2), 0.5)
+    with ExpertCollector(net, blocks, "routed") as ec:
+        for mod in mods.values():
+            ec.set_mask(torch.ones(1, 10))
+            mod(hs, idx, w)
+        ec.end_batch()
+    stats, rec = ec.result()
+    b = blocks[0]
+    assert rec["blocks"][b.prefix]["fallback"] == [3] and rec["blocks"][b.prefix]["routed_tokens"] == [7, 6, 7, 0]
+    assert ec.fallbacks == [f"{blk.prefix}.3" for blk in blocks]
+    x = hs.double()
+    pooled = sum(x[(idx == e).any(-1)].abs().sum(0) for e in range(3)) / 20
+    assert torch.equal(stats[b.module(3, "gate")]["mean_abs"], pooled.float())
+    assert torch.equal(stats[b.module(3, "up")]["amax"], x.abs().max().float())
+    assert stats[b.module(3, "down")]["amax"] == max(stats[b.module(e, "down")]["amax"] for e in range(3))
+    assert not torch.equal(stats[b.module(3, "down")]["mean_abs"], stats[b.module(0, "down")]["mean_abs"])
+
+
+def _topk_mask_bool(mean_abs: torch.Tensor, k: int) -> torch.Tensor:
+    sel = torch.zeros(mean_abs.numel(), dtype=torch.bool)
+    vals = mean_abs.tolist()
+    for g0 in range(0, len(vals), 8):
+        for i in sorted(range(8), key=lambda i: (-vals[g0 + i], i))[:k]:
+            sel[g0 + i] = True
+    return sel
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_pack_quantizes_every_expert_as_the_reference(moe, arch, fmt, tmp_path):
+    model, calib = moe["models"][arch], _calibrated(moe, arch)
+    out = pack(model, calib, tmp_path / "ck", fmt, ratio=0.25, progress=False).out
+    src, packed = _source(model), read_checkpoint(out)
+    with safe_open(str(calib / "salience.safetensors"), "pt") as h:
+        stats = {k: h.get_tensor(k) for k in h.keys()}
+    shapes = modelio.tensor_shapes(model)
+    blocks = expert_blocks(shapes)
+    n_experts = 0
+    for b in blocks:
+        for e in range(b.num_experts):
+            for members in ((b.module(e, "gate"), b.module(e, "up")), (b.module(e, "down"),)):
+                ws = [src[f"{m}.weight"] for m in members]
+                alpha = nvfp4.global_scale(torch.stack([w.abs().amax().float() for w in ws]).max()) if fmt == "nvfp4" else None
+                mask = _topk_mask_bool(stats[f"{members[0]}.mean_abs"], 2)  # the expert's own salience
+                for m, w in zip(members, ws):
+                    p = packed[m]
+                    assert p.members == members and p.ratio == 0.25
+                    ref = formats.quantize(w, fmt, alpha=alpha, backend="reference")
+                    assert torch.equal(p.base.codes, ref.codes) and torch.equal(bits(p.base.scales), bits(ref.scales))
+                    assert torch.equal(mask_to_bool(p.mask), mask)
+                    if fmt == "nvfp4":  # gate and up share weight_scale_2 (vLLM's w13) and input_scale
+                        assert torch.equal(bits(p.base.global_scale), bits(alpha))
+                        want = nvfp4.global_scale(stats[f"{members[0]}.amax"]).reshape(())
+                        assert torch.equal(bits(p.input_scale), bits(want))
+                n_experts += 1
+    assert n_experts == sum(2 * b.num_experts for b in blocks)
+    # routers (and DeepSeek's correction bias) are stored as they were, and named unquantized
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    routers = [b.prefix.rsplit(".", 1)[0] + ".gate" for b in blocks]
+    assert cfg["ignore"] == ["lm_head", *routers]
+    if fmt == "nvfp4":
+        assert json.loads((out / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"] == ["lm_head", *routers]
+    stored = {}
+    for f in out.glob("model-*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            stored.update({k: h.get_tensor(k) for k in h.keys() if ".gate." in k or k.endswith(".gate.weight")})
+    for r in routers:
+        assert stored[f"{r}.weight"].dtype == torch.bfloat16 and torch.equal(stored[f"{r}.weight"], src[f"{r}.weight"])
+    # every quantized tensor of the checkpoint is accounted for: attention and dense MLPs too
+    from resserve_export.groups import group_linears, linears_from_shapes
+
+    assert sorted(packed) == sorted(m for g in group_linears(linears_from_shapes(shapes)) for m in g.modules)
+
+
+def test_loaders_decode_expert_tensors(moe, tmp_path):
+    """ModelOpt's NVFP4 and compressed-tensors' MXFP4 decoders read an expert's tensors as ours."""
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
+    model, calib = moe["models"]["qwen3_moe"], _calibrated(moe, "qwen3_moe")
+    nv = read_checkpoint(pack(model, calib, tmp_path / "nv", "nvfp4", ratio=0.25, progress=False).out)
+    mx_out = pack(model, calib, tmp_path / "mx", "mxfp4", ratio=0.25, progress=False).out
+    mx = read_checkpoint(mx_out)
+    qc = json.loads((mx_out / "config.json").read_text())["quantization_config"]
+    qc.pop("resserve")
+    scheme = QuantizationConfig.model_validate(qc).config_groups["group_0"]
+    for m in ("model.layers.1.mlp.experts.5.up_proj", "model.layers.0.mlp.experts.2.down_proj"):
+        for q in (nv[m].base, nv[m].ext):
+            theirs = NVFP4QTensor(torch.Size(q.shape), torch.float32, q.codes).dequantize(
+                dtype=torch.float32, scale=q.scales, double_scale=q.global_scale, block_sizes={-1: 16}
+            )
+            assert torch.equal(q.dequantize(), theirs)
+        for q in (mx[m].base, mx[m].ext):
+            dec = MXFP4PackedCompressor.decompress({"weight_packed": q.codes, "weight_scale": q.scales}, scheme)
+            assert torch.equal(dec["weight"].float(), q.dequantize())
+
+
+@pytest.mark.parametrize("fmt,ratio", [("nvfp4", 0.25), ("mxfp4", 0.125), ("nvfp4", 0.0)])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_size_equals_what_pack_writes(moe, arch, fmt, ratio, tmp_path):
+    model = moe["models"][arch]
+    calib = make_calibration(model, tmp_path / "c")
+    out = pack(model, calib, tmp_path / "ck", fmt, ratio=ratio, progress=False).out
+    rep = estimate(json.loads((model / "config.json").read_text()), fmt, ratio=ratio)
+    got = _written(out)
+    assert {k: rep.classes[k] for k in got} == got and got["quantized linears"] > 0
+
+
+def test_size_of_a_qwen3_moe_config_counts_every_expert():
+    """Qwen3-30B-A3B's shape: 48 layers of 128 experts (768 wide) under NVFP4, from its config alone."""
+    cfg = {
+        "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+        "num_experts_per_tok": 8, "vocab_size": 151936, "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    }
+    rep = estimate(cfg, "nvfp4", ratio=0.0)
+    experts = 48 * 128 * 3 * 768 * 2048
+    attn = 48 * (2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048)
+    # NVFP4: 4.5 bits per weight plus two FP32 scalars per linear
+    assert rep.classes["quantized linears"] == (experts + attn) * 9 // 16 + 8 * 48 * (128 * 3 + 4)
+    # the routers stay bf16
+    assert rep.classes["norms & biases"] >= 48 * 128 * 2048 * 2
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_gpt_oss_is_refused_before_any_work(moe, tmp_path):
+    model = moe["models"]["gpt_oss"]
+    out = tmp_path / "calib"
+    p = run("calibrate", str(model), "--out", str(out), "--config", "quick", "--device", "cpu", "--scores", "none")
+    assert_one_line_error(p, 2, "model.layers.0.mlp.experts.down_proj is a 3-D tensor", "gpt-oss", "nothing was calibrated")
+    assert leftovers(out) == []
+    calib = make_calibration(moe["models"]["mixtral"], tmp_path / "c")
+    p = run("pack", str(model), "--calib", str(calib), "--out", str(tmp_path / "ck"), "--ratio", "0", "--device", "cpu")
+    assert_one_line_error(p, 2, "3-D tensor", "nothing was packed")
+    assert leftovers(tmp_path / "ck") == []
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--scores", "grad"], "--scores grad does not cover mixture-of-experts layers yet"),
+        (["--scores", "none", "--pipeline", "sequential"], "--pipeline sequential does not run mixture-of-experts models yet"),
+        (["--scores", "none", "--weight-algo", "awq"], "--weight-algo awq does not smooth mixture-of-experts layers yet"),
+        (["--scores", "none", "--moe-calib", "some"], "--moe-calib must be one of all, routed"),
+    ],
+)
+def test_calibrate_refuses_what_moe_does_not_do_yet(moe, tmp_path, extra, needle):
+    out = tmp_path / "calib"
+    p = run("calibrate", str(moe["models"]["qwen3_moe"]), "--out", str(out), "--config", "quick", "--device", "cpu", *extra)
+    assert_one_line_error(p, 2, needle)
+    assert leftovers(out) == []
+
+
+def test_verify_and_plan_say_what_moe_lacks(moe, tmp_path):
+    model, calib = moe["models"]["mixtral"], _calibrated(moe, "mixtral")
+    ck = pack(model, calib, tmp_path / "ck", "nvfp4", ratio=0.25, progress=False).out
+    p = run("verify", str(ck), "--model", str(model), "--calib", str(calib), "--out", str(tmp_path / "v"), "--text", str(moe["texts"]))
+    assert_one_line_error(p, 2, "verify does not evaluate experts yet", "block_sparse_moe.experts.0.w1")
+    assert leftovers(tmp_path / "v") == []
+    p = run("plan", "--calib", str(calib), "--budget", "5.0", "--out", str(tmp_path / "plan.json"))
+    assert_one_line_error(p, 2, "no planner scores yet", "--ratio")
+
+
+def test_expert_layouts_that_cannot_be_quantized_completely_are_refused():
+    base = {"model.layers.0.mlp.experts.0.gate_proj.weight": ("BF16", (32, 64)), "model.layers.0.mlp.experts.0.up_proj.weight": ("BF16", (32, 64))}
+    with pytest.raises(UserError, match="not gate / up / down"):
+        expert_blocks(base)
+    with pytest.raises(UserError, match="numbers its experts"):
+        expert_blocks({**base, "model.layers.0.mlp.experts.0.down_proj.weight": ("BF16", (64, 32)),
+                       "model.layers.0.mlp.experts.2.down_proj.weight": ("BF16", (64, 32))})
+    with pytest.raises(UserError, match="unlike expert 0"):
+        expert_blocks({**base, "model.layers.0.mlp.experts.0.down_proj.weight": ("BF16", (64, 32)),
+                       **{f"model.layers.0.mlp.experts.1.{x}.weight": ("BF16", (32, 64)) for x in ("gate_proj", "up_proj", "down_proj")}})
