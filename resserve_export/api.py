@@ -170,9 +170,15 @@ def plan(
     out: str | os.PathLike | None = None,
     chart: bool = True,
     allow_other_weights: bool = False,
+    moe_ratio: str = "shared",
+    moe_cost: str = "bits",
 ) -> PlanResult:
     """Per-group prefill ratios for `budget` effective bits from the stored scores; writes
-    ``plan.json`` (default: in `calib`) and, with `chart`, ``plan.png`` beside it."""
+    ``plan.json`` (default: in `calib`) and, with `chart`, ``plan.png`` beside it.
+
+    Mixture-of-experts models: `moe_ratio` ``shared`` (one ratio per layer and projection kind
+    across that layer's experts) or ``per-expert``; `moe_cost` ``bits`` (stored weights) or
+    ``tokens`` (weights times each expert's routed-token share)."""
     from . import plan as P
     from .outputs import check_writable
     from .planners import SOLVERS
@@ -194,7 +200,7 @@ def plan(
             raise UserError(f"--out {path} is a directory: pass a file name such as {path / P.PLAN_FILE}")
         check_writable(path)
         t0 = time.perf_counter()
-        data = P.build_plan(scores, budget, ratios=chosen, solver=solver, calibration=calibration)
+        data = P.build_plan(scores, budget, ratios=chosen, solver=solver, calibration=calibration, moe_ratio=moe_ratio, moe_cost=moe_cost)
         solve_s = time.perf_counter() - t0
         chart_path = P.write_plan(data, path, with_chart=chart)
     by_group = {"+".join(g["modules"]): float(g["ratio"]) for g in data["groups"]}

@@ -682,11 +682,6 @@ def choose_pipeline(config: CalibConfig, shapes) -> str:
 
 def _check_moe_settings(config: CalibConfig, ranks: int) -> None:
     """What a mixture-of-experts calibration does not do yet, refused before any work."""
-    if config.scores != "none":
-        raise UserError(
-            f"--scores {config.scores} does not cover mixture-of-experts layers yet: use --scores none, then pack --ratio R "
-            "(one ratio for every group); nothing was calibrated"
-        )
     if config.weight_algo != "rtn":
         raise UserError("--weight-algo awq does not smooth mixture-of-experts layers yet: use --weight-algo rtn; nothing was calibrated")
     if config.pipeline == "sequential":
@@ -980,12 +975,17 @@ def _collect_whole(model_dir, out, config, batches, shapes, show_progress, on_ba
 
         scores = None
         if config.scores != "none":
+            from contextlib import nullcontext
+
+            from .experts import unfused
             from .scores import compute_scores
 
-            scores = compute_scores(
-                net, batches, stats, groups, config.scores, list(RATIOS), config.format, config.score_samples,
-                rounding=config.mx_scale, show_progress=show_progress, precision=config.score_precision,
-            )
+            # Experts scored as per-expert linears under their checkpoint names, with the true routing.
+            with unfused(net, list(blocks)) if blocks else nullcontext():
+                scores = compute_scores(
+                    net, batches, stats, groups, config.scores, list(RATIOS), config.format, config.score_samples,
+                    rounding=config.mx_scale, show_progress=show_progress, precision=config.score_precision,
+                )
     finally:
         if offload is not None:
             shutil.rmtree(offload, ignore_errors=True)

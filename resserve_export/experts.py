@@ -25,6 +25,7 @@ names it.
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .errors import UserError
@@ -123,12 +124,25 @@ def is_expert(module: str) -> bool:
     return _EXPERT_WEIGHT.match(module + ".weight") is not None
 
 
+def expert_parts(module: str) -> tuple[str, int, str] | None:
+    """(block prefix, expert index, role) of a routed expert's linear, else None."""
+    m = _EXPERT_WEIGHT.match(module + ".weight")
+    if m is None or m["leaf"] not in ROLES:
+        return None
+    return m["prefix"], int(m["e"]), "down" if ROLES[m["leaf"]] == "down" else "gate/up"
+
+
 # --- the loaded model ------------------------------------------------------------------------
 
 
 def fused_modules(model, blocks: list[ExpertBlock]) -> dict[str, object]:
     """``{block prefix: the loaded model's fused experts module}``, matched by decoder layer and
     checked against the checkpoint's shapes; a layout this tool cannot hook is refused."""
+    return {p: mod for p, (_, mod) in _fused(model, blocks).items()}
+
+
+def _fused(model, blocks: list[ExpertBlock]) -> dict[str, tuple[str, object]]:
+    """``{block prefix: (module path, module)}`` of `fused_modules`."""
     import inspect
 
     import torch
@@ -145,24 +159,24 @@ def fused_modules(model, blocks: list[ExpertBlock]) -> dict[str, object]:
     if per_expert_linears:
         raise UserError(
             f"the loaded model holds experts as separate linears ({per_expert_linears[0]}), which calibration cannot "
-            "attribute to routed tokens; load it with transformers >= 5 (fused experts); nothing was calibrated"
+            "attribute to routed tokens; load it with transformers >= 5 (fused experts)"
         )
     out = {}
     for b in blocks:
         cands = by_layer.get(b.layer if b.layer is not None else -1, [])
         if len(cands) != 1:
-            raise UserError(f"found {len(cands)} fused expert modules for {b.prefix} in the loaded model: its layout is not supported; nothing was calibrated")
+            raise UserError(f"found {len(cands)} fused expert modules for {b.prefix} in the loaded model: its layout is not supported")
         name, mod = cands[0]
         E, H, I = b.num_experts, b.hidden, b.intermediate
         if tuple(mod.gate_up_proj.shape) != (E, 2 * I, H) or tuple(mod.down_proj.shape) != (E, H, I):
             raise UserError(
                 f"{name} holds gate_up_proj {tuple(mod.gate_up_proj.shape)} and down_proj {tuple(mod.down_proj.shape)}, not "
-                f"[{E}, {2 * I}, {H}] and [{E}, {H}, {I}] as the checkpoint's experts imply: its layout is not supported; nothing was calibrated"
+                f"[{E}, {2 * I}, {H}] and [{E}, {H}, {I}] as the checkpoint's experts imply: its layout is not supported"
             )
         params = list(inspect.signature(mod.forward).parameters)
         if params[:3] != ["hidden_states", "top_k_index", "top_k_weights"] or not hasattr(mod, "act_fn"):
-            raise UserError(f"{name}.forward{tuple(params)} is not the experts interface calibration hooks; nothing was calibrated")
-        out[b.prefix] = mod
+            raise UserError(f"{name}.forward{tuple(params)} is not the experts interface this tool hooks")
+        out[b.prefix] = (name, mod)
     return out
 
 
@@ -320,4 +334,119 @@ class ExpertCollector:
         return stats, record
 
 
-__all__ = ["ExpertBlock", "ExpertCollector", "MOE_CALIB", "ROLES", "expert_blocks", "fused_modules", "is_expert", "routers"]
+# --- per-expert linears (verify) -------------------------------------------------------------
+
+
+def _unfused_module(fused, block: ExpertBlock):
+    import torch
+
+    class UnfusedExperts(torch.nn.Module):
+        """One layer's experts as per-expert ``nn.Linear`` modules under the checkpoint's names
+        (``E.gate_proj`` …), their weights views of the fused parameters. Routing as the fused
+        module's eager loop; with `valid` set (the batch's flattened attention mask) padding rows
+        are routed nowhere, so each linear sees only the valid tokens sent to its expert."""
+
+        def __init__(self):
+            super().__init__()
+            self.act_fn = fused.act_fn
+            self.valid = None
+            I = block.intermediate
+            for e in range(block.num_experts):
+                expert = torch.nn.Module()
+                for leaf, w in zip(block.leaves, (fused.gate_up_proj[e, :I], fused.gate_up_proj[e, I:], fused.down_proj[e])):
+                    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta", dtype=w.dtype)
+                    lin.weight = torch.nn.Parameter(w.detach(), requires_grad=False)
+                    setattr(expert, leaf, lin)
+                self.add_module(str(e), expert)
+
+        def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+            gate, up, down = block.leaves
+            final = torch.zeros_like(hidden_states)
+            valid = None if self.valid is None else self.valid.to(hidden_states.device)
+            for e in range(block.num_experts):
+                hit = top_k_index == e
+                if valid is not None:
+                    hit = hit & valid[:, None]
+                top_k_pos, token_idx = torch.where(hit.t())
+                if not token_idx.numel():
+                    continue
+                ex = getattr(self, str(e))
+                x = hidden_states[token_idx]
+                y = getattr(ex, down)(self.act_fn(getattr(ex, gate)(x)) * getattr(ex, up)(x))
+                final.index_add_(0, token_idx, (y * top_k_weights[token_idx, top_k_pos, None]).to(final.dtype))
+            return final
+
+    return UnfusedExperts()
+
+
+class _Call:
+    """A plain (non-module) stand-in for a fused experts module that calls the unfused one
+    mounted at the checkpoint's path (Mixtral: ``block_sparse_moe.experts``, not ``mlp.experts``)."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __call__(self, *args, **kwargs):
+        return self.target(*args, **kwargs)
+
+
+class Unfused:
+    """`unfused`'s handle: :meth:`set_mask` before a forward pass whose expert inputs are
+    captured, :meth:`clear` after."""
+
+    def __init__(self, modules: list):
+        self.modules = modules
+
+    def set_mask(self, attention_mask) -> None:
+        valid = attention_mask.detach().reshape(-1).to("cpu").bool()
+        for m in self.modules:
+            m.valid = valid
+
+    def clear(self) -> None:
+        for m in self.modules:
+            m.valid = None
+
+
+@contextmanager
+def unfused(model, blocks: list[ExpertBlock]):
+    """The model's fused experts as per-expert linears at the checkpoint's module paths, for the
+    duration of the block (so that everything keyed by linear module path — weight checks, input
+    capture, emulated linears — treats experts like any other linear). Yields an `Unfused`."""
+    import torch
+
+    undo = []
+    mounted = []
+    try:
+        by_prefix = {b.prefix: b for b in blocks}
+        for prefix, (name, fused) in _fused(model, blocks).items():
+            b = by_prefix[prefix]
+            u = _unfused_module(fused, b)
+            mounted.append(u)
+            parent_path, _, leaf = name.rpartition(".")
+            parent = model.get_submodule(parent_path)
+            if name == b.prefix:
+                setattr(parent, leaf, u)
+                undo.append(lambda p=parent, lf=leaf, m=fused: setattr(p, lf, m))
+                continue
+            # mount at the checkpoint's path, creating the missing holders
+            node = model
+            parts = b.prefix.split(".")
+            for part in parts[:-1]:
+                if not hasattr(node, part):
+                    node.add_module(part, torch.nn.Module())
+                    undo.append(lambda n=node, pt=part: delattr(n, pt))
+                node = getattr(node, part)
+            node.add_module(parts[-1], u)
+            undo.append(lambda n=node, pt=parts[-1]: delattr(n, pt))
+            del parent._modules[leaf]
+            object.__setattr__(parent, leaf, _Call(u))
+            undo.append(lambda p=parent, lf=leaf, m=fused: (object.__delattr__(p, lf), p.add_module(lf, m)))
+        yield Unfused(mounted)
+    finally:
+        for f in reversed(undo):
+            f()
+
+
+__all__ = [
+    "ExpertBlock", "ExpertCollector", "MOE_CALIB", "ROLES", "Unfused", "expert_blocks", "expert_parts", "fused_modules", "is_expert", "routers", "unfused",
+]

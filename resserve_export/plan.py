@@ -97,15 +97,6 @@ def read_scores(calib: Path, allow_other_weights: bool = False) -> tuple[dict, d
         raise UserError(f"calibration directory {calib} does not exist: run `resserve-export calibrate` first")
     path = calib / SCORES_FILE
     if not path.exists():
-        try:
-            moe = "moe" in json.loads((calib / "calibration.json").read_text())
-        except (OSError, ValueError):
-            moe = False
-        if moe:
-            raise UserError(
-                f"{calib} calibrates a mixture-of-experts model, for which calibrate computes no planner scores yet: "
-                "pack it with --ratio R (one ratio for every group)"
-            )
         raise UserError(
             f"{calib} has no sensitivity scores ({SCORES_FILE}): run `resserve-export calibrate` with `--scores kl` or `--scores grad`"
         )
@@ -164,6 +155,53 @@ def build_problem(groups: list[dict], ratios: list[float], budget: float) -> Pro
     return Problem(tuple(rows), tuple(costs), capacity)
 
 
+MOE_RATIO = ("shared", "per-expert")
+MOE_COST = ("bits", "tokens")
+
+
+def decision_units(groups: list[dict], moe_ratio: str = "shared", moe_cost: str = "bits", calibration: dict | None = None) -> tuple[list[dict], list[int]]:
+    """What the solver decides on, and the unit of each group.
+
+    A dense group is its own unit. Mixture-of-experts groups: with ``moe_ratio`` ``shared`` one
+    unit per (expert block, projection kind) — the gate/up groups of a layer's experts share a
+    ratio, their down groups another — whose score is the sum of its groups' scores; with
+    ``per-expert`` each expert group is a unit. Costs count stored weights (``moe_cost``
+    ``bits``) or, with ``tokens``, weights times the expert's share of its layer's routed tokens
+    (E·tokens_e / Σ tokens, from calibration.json; a decode-cost view: an expert no token reaches
+    costs nothing), rounded to whole weights.
+    """
+    from .experts import expert_parts
+
+    if moe_ratio not in MOE_RATIO:
+        raise UserError(f"--moe-ratio must be one of {', '.join(MOE_RATIO)}, got {moe_ratio!r}")
+    if moe_cost not in MOE_COST:
+        raise UserError(f"--moe-cost must be one of {', '.join(MOE_COST)}, got {moe_cost!r}")
+    blocks = ((calibration or {}).get("moe") or {}).get("blocks") or {}
+    units: list[dict] = []
+    unit_of: list[int] = []
+    keyed: dict[tuple, int] = {}
+    for g in groups:
+        parts = expert_parts(g["modules"][0])
+        cost = g["weight_count"]
+        if parts is not None and moe_cost == "tokens":
+            prefix, e, _ = parts
+            routed = (blocks.get(prefix) or {}).get("routed_tokens")
+            if not routed or sum(routed) == 0:
+                raise UserError(f"--moe-cost tokens needs the routed-token counts of {prefix} in calibration.json: re-run calibrate")
+            cost = round(g["weight_count"] * len(routed) * routed[e] / sum(routed))
+        key = (parts[0], parts[2]) if parts is not None and moe_ratio == "shared" else None
+        if key is not None and key in keyed:
+            u = units[keyed[key]]
+            u["weight_count"] += cost
+            u["scores"] = {k: u["scores"][k] + float(v) for k, v in g["scores"].items() if k in u["scores"]}
+        else:
+            if key is not None:
+                keyed[key] = len(units)
+            units.append({"weight_count": cost, "scores": {k: float(v) for k, v in g["scores"].items()}})
+        unit_of.append(keyed[key] if key is not None else len(units) - 1)
+    return units, unit_of
+
+
 def build_plan(
     scores: dict,
     budget: float,
@@ -171,8 +209,13 @@ def build_plan(
     ratios: list[float] | None = None,
     solver: str = "cbc",
     calibration: dict | None = None,
+    moe_ratio: str = "shared",
+    moe_cost: str = "bits",
 ) -> dict:
-    """The plan.json content for a budget: one ratio per group minimising the summed scores."""
+    """The plan.json content for a budget: one ratio per group minimising the summed scores
+    (experts' groups decided together or apart as `decision_units` says)."""
+    from .experts import expert_parts
+
     budget = check_budget(budget)
     available = scored_ratios(scores)
     ratios = sorted(ratios) if ratios is not None else available
@@ -180,8 +223,10 @@ def build_plan(
     if missing:
         raise UserError(f"no stored score for ratio {_fmt(missing)}; scored ratios are {_fmt(available)}")
     groups = scores["groups"]
-    problem = build_problem(groups, ratios, budget)
-    total = sum(g["weight_count"] for g in groups)
+    has_experts = any(expert_parts(g["modules"][0]) is not None for g in groups)
+    units, unit_of = decision_units(groups, moe_ratio, moe_cost, calibration)
+    problem = build_problem(units, ratios, budget)
+    total = sum(u["weight_count"] for u in units)
     cheapest = MIN_BUDGET + 4.0 * min(ratios)
     try:
         choice = solve_problem(problem, solver)
@@ -198,18 +243,23 @@ def build_plan(
         raise UserError(f"internal error: the {solver} plan uses {achieved} bits over the budget {budget}")
     calibration = calibration or {}
     out_groups = []
-    for l, (g, j) in enumerate(zip(groups, choice)):
+    for g, u in zip(groups, unit_of):
+        j = choice[u]
         r = ratios[j]
         out_groups.append(
             {
                 "modules": list(g["modules"]),
                 "ratio": r,
-                "score": problem.scores[l][j],
+                "score": float(g["scores"][ratio_key(r)]) if ratio_key(r) in g["scores"] else problem.scores[u][j],
                 "bits": bits_of(r),
                 "weight_count": g["weight_count"],
             }
         )
-    return {
+    moe = None
+    if has_experts:
+        stored = sum(g["weight_count"] * g["bits"] for g in out_groups) / sum(g["weight_count"] for g in out_groups)
+        moe = {"ratio": moe_ratio, "cost": moe_cost, "decision_units": len(units), "stored_bits": stored}
+    plan = {
         "version": PLAN_VERSION,
         "budget": budget,
         "achieved_bits": achieved,
@@ -226,6 +276,9 @@ def build_plan(
         "fingerprint_method": calibration.get("fingerprint_method"),
         "groups": out_groups,
     }
+    if moe is not None:
+        plan["moe"] = moe
+    return plan
 
 
 def write_plan(plan: dict, out: Path, *, with_chart: bool = True) -> Path | None:
@@ -248,19 +301,36 @@ def layer_of(module: str) -> int | None:
 
 
 def kind_of(modules: list[str]) -> str:
-    """Short label of a group's member leaves: "q/k/v", "gate/up", "o", "down"..."""
-    return "/".join(m.rsplit(".", 1)[-1].removesuffix("_proj") for m in modules)
+    """Short label of a group's member leaves: "q/k/v", "gate/up", "o", "down"...; a routed
+    expert's groups: "experts gate/up", "experts down" (Mixtral: "experts w1/w3", "experts w2")."""
+    from .experts import expert_parts
+
+    label = "/".join(m.rsplit(".", 1)[-1].removesuffix("_proj") for m in modules)
+    return f"experts {label}" if expert_parts(modules[0]) is not None else label
 
 
 def by_layer(plan: dict) -> tuple[list[str], dict[int | None, dict[str, dict]]]:
-    """(kinds in first-seen order, {layer: {kind: group}}) for tables and charts."""
+    """(kinds in first-seen order, {layer: {kind: group}}) for tables and charts. A layer's
+    expert groups of one kind show as one: their weight-averaged ratio and bits, summed score."""
     kinds: list[str] = []
     layers: dict[int | None, dict[str, dict]] = {}
     for g in plan["groups"]:
         k = kind_of(g["modules"])
         if k not in kinds:
             kinds.append(k)
-        layers.setdefault(layer_of(g["modules"][0]), {})[k] = g
+        row = layers.setdefault(layer_of(g["modules"][0]), {})
+        if k in row:
+            a = row[k]
+            n = a["weight_count"] + g["weight_count"]
+            row[k] = {
+                "modules": a["modules"] + list(g["modules"]),
+                "ratio": (a["ratio"] * a["weight_count"] + g["ratio"] * g["weight_count"]) / n,
+                "bits": (a["bits"] * a["weight_count"] + g["bits"] * g["weight_count"]) / n,
+                "score": a["score"] + g["score"],
+                "weight_count": n,
+            }
+        else:
+            row[k] = g
     return kinds, layers
 
 

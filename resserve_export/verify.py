@@ -77,7 +77,8 @@ class InputCapture:
                 return
             x = args[0]
             x2 = x.reshape(-1, x.shape[-1])
-            if self._valid is not None:
+            # An expert's linear sees only the valid rows routed to it (`experts.unfused`).
+            if self._valid is not None and x2.shape[0] == self._valid.numel():
                 x2 = x2[self._valid.to(x2.device)]
             x2 = x2[: self.max_tokens - self.count[g]].detach().to("cpu", copy=True)
             self.rows[g].append(x2)
@@ -485,6 +486,17 @@ def check_smoothed_tensors(ck: Checkpoint, model, smoothing: Smoothing) -> None:
             )
 
 
+def linear_kind(module: str) -> str:
+    """The report's kind of a quantized linear: ``expert gate/up``, ``expert down`` (routed
+    experts), ``attention`` (``self_attn`` / ``attn``), else ``mlp`` (dense and shared experts)."""
+    from .experts import ROLES, is_expert
+
+    leaf = module.rsplit(".", 1)[-1]
+    if is_expert(module):
+        return "expert down" if ROLES.get(leaf) == "down" else "expert gate/up"
+    return "attention" if ".self_attn." in f".{module}." or ".attn." in f".{module}." else "mlp"
+
+
 def _reduction(new: float, old: float) -> float:
     return 100.0 * (old - new) / old if old > 0 else float("nan")
 
@@ -501,12 +513,15 @@ def evaluate(
     check_weights: bool = True,
     progress: Callable[[str, int, int], None] | None = None,
     smoothing: Smoothing | None = None,
+    experts=None,
 ) -> dict:
     """The measurements of `verify` for a loaded model and an opened checkpoint (no files).
 
     `check_weights`: first `check_weights_match` (without calibration statistics), which raises
     on a mismatch before anything is measured. `smoothing`: the AWQ smoothing the checkpoint was
-    packed with (`checkpoint_smoothing`); the reference stays the unsmoothed `model`.
+    packed with (`checkpoint_smoothing`); the reference stays the unsmoothed `model`. `experts`:
+    the `experts.Unfused` handle of a mixture-of-experts model (its experts mounted as per-expert
+    linears), told each batch's mask while inputs are captured.
     """
     t0 = time.perf_counter()
     fmt, rounding = ck.fmt, ck.rounding
@@ -527,14 +542,21 @@ def evaluate(
     kv_measure = KVQuantizer(model, kv_scales, ck.kv_cache, emulate=False) if kv_scales else None
     cap = InputCapture(model, groups, max_tokens)
     tick = (lambda: progress(f"{str(dtype).removeprefix('torch.')} forward + capture", 1, len(batches))) if progress else None
+    def on_batch(b):
+        cap.set_mask(b["attention_mask"])
+        if experts is not None:
+            experts.set_mask(b["attention_mask"])
+
     try:
-        ppl = {"bf16": _forward_nll(model, batches, device, on_batch=lambda b: cap.set_mask(b["attention_mask"]), tick=tick, kv=kv_measure)}
+        ppl = {"bf16": _forward_nll(model, batches, device, on_batch=on_batch, tick=tick, kv=kv_measure)}
     finally:
         cap.remove()
+        if experts is not None:
+            experts.clear()
 
     # 2. NMSE per fused group.
     backend = kernel.backend_for(torch.empty(0, dtype=dtype, device=device))
-    layers, totals = [], {}
+    layers, totals, by_kind = [], {}, {}
     for i, g in enumerate(groups):
         x = cap.inputs(g).to(device)
         packed = {m: packed_all[m] for m in g}
@@ -549,8 +571,8 @@ def evaluate(
             for k, a in accs[m].items():
                 key = k if isinstance(k, str) else f"ratio_{k}"
                 row[key] = a.nmse
-                tot = totals.setdefault(key, _Acc())
-                tot.err, tot.ref = tot.err + a.err, tot.ref + a.ref
+                for tot in (totals.setdefault(key, _Acc()), by_kind.setdefault(linear_kind(m), {}).setdefault(key, _Acc())):
+                    tot.err, tot.ref = tot.err + a.err, tot.ref + a.ref
             layers.append(row)
         if progress:
             progress("linear-output NMSE", 1, len(groups))
@@ -597,6 +619,7 @@ def evaluate(
             "full_vs_plain_reduction_pct": _reduction(pooled["full"], pooled["plain"]),
             "checkpoint_vs_plain_reduction_pct": _reduction(pooled["checkpoint"], pooled["plain"]),
             "falls_as_ratio_rises": all(a > b for a, b in zip(chain, chain[1:])),
+            "by_kind": {kind: {k: a.nmse for k, a in accs.items()} for kind, accs in by_kind.items()},
         },
         "perplexity": ppl,
         "kv_cache": kv_report,
@@ -679,24 +702,19 @@ def verify(
     tokenizer or any forward pass: a mismatch (`CheckpointMismatch`) costs one quantization pass
     and leaves nothing written.
     """
-    from . import data, modelio
-    from .calibrate import collect, load_stats
-    from .groups import Group
-    from .outputs import check_out_dir, write_dir_atomic
+    from . import modelio
+    from .outputs import check_out_dir
 
     if samples < 1:
         raise UserError(f"--samples must be at least 1, got {samples}")
     if out is not None:
         check_out_dir(Path(out), overwrite)
     ck = Checkpoint(ckpt)
-    from .experts import is_expert
+    from .experts import expert_blocks, is_expert, unfused
 
-    experts = [m for g in ck.groups for m in g["members"] if is_expert(m)]
-    if experts:
-        raise UserError(
-            f"{ckpt} quantizes mixture-of-experts linears ({experts[0]} and {len(experts) - 1} more): verify does not "
-            "evaluate experts yet; `inspect` lists its tensors"
-        )
+    has_experts = any(is_expert(m) for g in ck.groups for m in g["members"])
+    if has_experts and calib is None:
+        raise UserError(f"{ckpt} quantizes mixture-of-experts linears: pass --calib (the sweep's masks come from its per-expert salience)")
     model_dir = modelio.resolve_model(model)
     prov = ck.resserve.get("provenance") or {}
     fp = modelio.fingerprint(model_dir)
@@ -712,6 +730,23 @@ def verify(
 
     hf_logging.disable_progress_bar()  # verify shows its own progress; an error stays one line
     net = modelio.load_model(model_dir, dtype).to(dev)
+    with unfused(net, expert_blocks(modelio.tensor_shapes(model_dir)) if has_experts else []) as experts:
+        return _verify_loaded(
+            ck, ckpt, model, model_dir, net, fp, dev, text, samples, seq_len, batch_size, seed, calib, max_tokens, check_weights,
+            out, overwrite, progress, experts if has_experts else None,
+        )
+
+
+def _verify_loaded(
+    ck, ckpt, model, model_dir, net, fp, dev, text, samples, seq_len, batch_size, seed, calib, max_tokens, check_weights, out, overwrite,
+    progress, experts,
+) -> dict:
+    """`verify` once the model is loaded (its experts, if any, as per-expert linears)."""
+    from . import data, modelio
+    from .calibrate import collect, load_stats
+    from .groups import Group
+    from .outputs import write_dir_atomic
+
     stats = load_stats(Path(calib)) if calib is not None else None
     smoothing = checkpoint_smoothing(ck, Path(calib) if calib is not None else None)
     if check_weights:
@@ -742,7 +777,8 @@ def verify(
         selection = f"salience from 16 samples (seed {seed + 1}) of {source} (seq_len {seq_len})"
 
     report = evaluate(
-        net, ck, batches, salience, device=dev, max_tokens=max_tokens, check_weights=False, progress=progress, smoothing=smoothing
+        net, ck, batches, salience, device=dev, max_tokens=max_tokens, check_weights=False, progress=progress, smoothing=smoothing,
+        experts=experts,
     )
     report = {
         "checkpoint": str(ckpt),

@@ -365,7 +365,6 @@ def test_gpt_oss_is_refused_before_any_work(moe, tmp_path):
 @pytest.mark.parametrize(
     "extra,needle",
     [
-        (["--scores", "grad"], "--scores grad does not cover mixture-of-experts layers yet"),
         (["--scores", "none", "--pipeline", "sequential"], "--pipeline sequential does not run mixture-of-experts models yet"),
         (["--scores", "none", "--weight-algo", "awq"], "--weight-algo awq does not smooth mixture-of-experts layers yet"),
         (["--scores", "none", "--moe-calib", "some"], "--moe-calib must be one of all, routed"),
@@ -378,14 +377,163 @@ def test_calibrate_refuses_what_moe_does_not_do_yet(moe, tmp_path, extra, needle
     assert leftovers(out) == []
 
 
-def test_verify_and_plan_say_what_moe_lacks(moe, tmp_path):
-    model, calib = moe["models"]["mixtral"], _calibrated(moe, "mixtral")
+def test_plan_without_scores_says_what_to_do(moe, tmp_path):
+    p = run("plan", "--calib", str(_calibrated(moe, "mixtral")), "--budget", "5.0", "--out", str(tmp_path / "plan.json"))
+    assert_one_line_error(p, 2, "no sensitivity scores", "--scores grad")
+
+
+@pytest.fixture(scope="module")
+def scored(moe) -> Path:
+    """A Qwen3-MoE calibration with grad scores (experts scored as per-expert linears)."""
+    cfg = cal.make_config("quick", dataset=str(moe["texts"]), num_samples=7, seq_len=48, batch_size=3, device="cpu", scores="grad",
+                          score_samples=4, moe_calib="routed")
+    return cal.calibrate(str(moe["models"]["qwen3_moe"]), moe["root"] / "calib-scored", cfg, show_progress=False).path
+
+
+def test_grad_scores_cover_every_expert(moe, scored):
+    sc = json.loads((scored / "scores.json").read_text())
+    rec = json.loads((scored / "calibration.json").read_text())
+    assert [g["modules"] for g in sc["groups"]] == rec["groups"]
+    blocks = expert_blocks(modelio.tensor_shapes(moe["models"]["qwen3_moe"]))
+    by_head = {g["modules"][0]: g for g in sc["groups"]}
+    for b in blocks:
+        for e in range(b.num_experts):
+            for role in ("gate", "down"):
+                g = by_head[b.module(e, role)]
+                s = {float(k): v for k, v in g["scores"].items()}
+                assert g["weight_count"] == (2 if role == "gate" else 1) * b.hidden * b.intermediate
+                # an expert's error falls as compensation rises, and full beats plain by far
+                assert all(v >= 0 for v in s.values()) and s[1.0] < 0.8 * s[0.0]
+
+
+def test_plan_shares_a_ratio_across_a_layers_experts_or_not(moe, scored, tmp_path):
+    from resserve_export import api
+    from resserve_export.experts import expert_parts
+
+    shared = api.plan(scored, 5.0, out=tmp_path / "shared.json", chart=False).data
+    per = api.plan(scored, 5.0, out=tmp_path / "per.json", chart=False, moe_ratio="per-expert").data
+    assert shared["moe"]["ratio"] == "shared" and per["moe"]["ratio"] == "per-expert"
+    # 2 layers x (gate/up, down) shared decisions + 2 x (q/k/v, o) dense ones
+    assert shared["moe"]["decision_units"] == 8 and per["moe"]["decision_units"] == 4 + 2 * 2 * 8
+    ratios = {}
+    for g in shared["groups"]:
+        parts = expert_parts(g["modules"][0])
+        if parts:
+            ratios.setdefault((parts[0], parts[2]), set()).add(g["ratio"])
+    assert len(ratios) == 4 and all(len(v) == 1 for v in ratios.values())
+    # per-expert choices relax the shared ones: never a worse objective, both within the budget
+    assert per["objective"] <= shared["objective"] + 1e-12
+    assert shared["achieved_bits"] <= 5.0 and per["achieved_bits"] <= 5.0
+    # the plan packs
+    ck = pack(moe["models"]["qwen3_moe"], scored, tmp_path / "ck", "nvfp4", plan=tmp_path / "per.json", progress=False).out
+    got = {m: p.ratio for m, p in read_checkpoint(ck).items()}
+    assert got == {m: g["ratio"] for g in per["groups"] for m in g["modules"]}
+
+
+def test_token_weighted_costs():
+    """--moe-cost tokens weights each expert's weights by E·tokens_e / Σ tokens."""
+    from resserve_export.plan import decision_units
+
+    def grp(m, n, s):
+        return {"modules": [m], "weight_count": n, "scores": {"0": s, "1": s / 2}}
+
+    groups = [grp(f"model.layers.0.mlp.experts.{e}.down_proj", 100, 1.0 + e) for e in range(4)] + [grp("model.layers.0.self_attn.o_proj", 50, 3.0)]
+    cal_rec = {"moe": {"blocks": {"model.layers.0.mlp.experts": {"routed_tokens": [10, 30, 0, 40]}}}}
+    units, unit_of = decision_units(groups, "per-expert", "tokens", cal_rec)
+    assert [u["weight_count"] for u in units] == [50, 150, 0, 200, 50] and unit_of == [0, 1, 2, 3, 4]
+    units, unit_of = decision_units(groups, "shared", "bits", cal_rec)
+    assert [u["weight_count"] for u in units] == [400, 50] and unit_of == [0, 0, 0, 0, 1]
+    assert units[0]["scores"] == {"0": 10.0, "1": 5.0}
+    with pytest.raises(UserError, match="routed-token counts"):
+        decision_units(groups, "shared", "tokens", {})
+    with pytest.raises(UserError, match="--moe-ratio must be one of"):
+        decision_units(groups, "each", "bits", cal_rec)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_verify_measures_every_expert(moe, arch, tmp_path):
+    from resserve_export import api
+
+    model, calib = moe["models"][arch], _calibrated(moe, arch)
     ck = pack(model, calib, tmp_path / "ck", "nvfp4", ratio=0.25, progress=False).out
-    p = run("verify", str(ck), "--model", str(model), "--calib", str(calib), "--out", str(tmp_path / "v"), "--text", str(moe["texts"]))
-    assert_one_line_error(p, 2, "verify does not evaluate experts yet", "block_sparse_moe.experts.0.w1")
+    rep = api.verify(ck, str(model), calib=calib, text=str(moe["texts"]), samples=6, seq_len=48, device="cpu", out=tmp_path / "v").report
+    assert rep["weights_match_reference"] is True
+    blocks = expert_blocks(modelio.tensor_shapes(model))
+    rows = {r["module"]: r for r in rep["layers"]}
+    experts = [b.module(e, r) for b in blocks for e in range(b.num_experts) for r in ("gate", "up", "down")]
+    assert set(experts) <= set(rows)
+    for b in blocks:
+        # each expert linear measured on the valid tokens routed to it: top-k of every token
+        assert sum(rows[b.module(e, "gate")]["tokens"] for e in range(b.num_experts)) == rep["tokens_scored"] * TOP_K
+        for e in range(b.num_experts):
+            r = rows[b.module(e, "down")]
+            assert 1e-3 < r["plain"] < 1e-1 and r["full"] < r["checkpoint"] < r["plain"]
+    kinds = rep["nmse"]["by_kind"]
+    assert {"expert gate/up", "expert down", "attention"} <= set(kinds)
+    assert all(v["full"] < v["plain"] for v in kinds.values())
+    assert (tmp_path / "v" / "verify.json").exists()
+
+
+def test_verify_emulates_experts_and_unfusing_keeps_the_model(moe):
+    """The perplexity passes run every expert linear emulated from the checkpoint; the per-expert
+    view verify mounts computes what the fused model computes."""
+    from resserve_export.checkpoint import Checkpoint
+    from resserve_export.emulate import EmulatedLinear
+    from resserve_export.experts import unfused
+    from resserve_export.verify import emulated
+
+    model = moe["models"]["mixtral"]
+    ck_dir = pack(model, _calibrated(moe, "mixtral"), moe["root"] / "ck-mixtral-verify", "nvfp4", ratio=0.25, progress=False).out
+    net = modelio.load_model(model)
+    net.config._experts_implementation = "eager"
+    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ref = net(input_ids=ids, use_cache=False).logits
+        blocks = expert_blocks(modelio.tensor_shapes(model))
+        with unfused(net, blocks):
+            got = net(input_ids=ids, use_cache=False).logits
+            ck = Checkpoint(ck_dir)
+            with emulated(net, ck, "plain"):
+                kinds = {m: type(net.get_submodule(m)) for m in ck.modules}
+                emu = net(input_ids=ids, use_cache=False).logits
+        after = net(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+    assert torch.equal(after, ref)  # the fused experts are back
+    assert set(kinds.values()) == {EmulatedLinear} and sum(".experts." in m for m in kinds) == 2 * 4 * 3
+    assert not torch.allclose(emu, ref, atol=1e-3)
+    assert not any("block_sparse_moe" in n for n, _ in net.named_modules())  # the holders are gone too
+
+
+def test_verify_names_a_wrong_expert(moe, tmp_path):
+    """A checkpoint whose one expert's weights were changed is a mismatch (exit 3) naming it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model, calib = moe["models"]["qwen3_moe"], _calibrated(moe, "qwen3_moe")
+    ck = pack(model, calib, tmp_path / "ck", "nvfp4", ratio=0.25, progress=False).out
+    other = tmp_path / "other"
+    shutil.copytree(model, other)
+    f = next(other.glob("*.safetensors"))
+    t = load_file(str(f))
+    name = "model.layers.1.mlp.experts.6.down_proj.weight"
+    t[name] = (t[name].float() * 1.5).to(torch.bfloat16)
+    save_file(t, str(f), metadata={"format": "pt"})
+    p = run("verify", str(ck), "--model", str(other), "--calib", str(calib), "--out", str(tmp_path / "v"), "--device", "cpu",
+            "--text", str(moe["texts"]), "--samples", "2")
+    assert_one_line_error(p, 3, "other weights", "--model")  # the fingerprint tells first
     assert leftovers(tmp_path / "v") == []
-    p = run("plan", "--calib", str(calib), "--budget", "5.0", "--out", str(tmp_path / "plan.json"))
-    assert_one_line_error(p, 2, "no planner scores yet", "--ratio")
+    # and the bit-for-bit check names the expert
+    from resserve_export.checkpoint import Checkpoint
+    from resserve_export.experts import unfused
+    from resserve_export.verify import linear_weights, weight_mismatches
+
+    net = modelio.load_model(other)
+    with unfused(net, expert_blocks(modelio.tensor_shapes(other))):
+        bad = weight_mismatches(Checkpoint(ck), linear_weights(net, Checkpoint(ck)))
+    assert [m for m, _ in bad] == ["model.layers.1.mlp.experts.6.down_proj"]
+    p = run("verify", str(ck), "--model", str(model), "--out", str(tmp_path / "v"))
+    assert_one_line_error(p, 2, "pass --calib")
 
 
 def test_expert_layouts_that_cannot_be_quantized_completely_are_refused():

@@ -25,12 +25,24 @@ def command(
     allow_other_weights: bool = typer.Option(
         False, "--allow-other-weights", help="plan from scores computed on other weights than the calibration's; refused by default"
     ),
+    moe_ratio: str = typer.Option(
+        "shared", "--moe-ratio",
+        help="Mixture-of-experts models: shared (one ratio per layer and projection kind, across that layer's experts) or per-expert.",
+    ),
+    moe_cost: str = typer.Option(
+        "bits", "--moe-cost",
+        help="Mixture-of-experts models: the budget counts stored bits (bits) or bits weighted by each expert's share of "
+        "the calibration's routed tokens (tokens: the decode cost).",
+    ),
 ) -> None:
     """Plan per-layer residue ratios for a budget from stored sensitivity scores."""
     from .. import api
     from ..ui import console as make_console
 
-    res = api.plan(calib, budget, ratios=ratios, solver=solver, out=out, chart=chart, allow_other_weights=allow_other_weights)
+    res = api.plan(
+        calib, budget, ratios=ratios, solver=solver, out=out, chart=chart, allow_other_weights=allow_other_weights,
+        moe_ratio=moe_ratio, moe_cost=moe_cost,
+    )
     plan = res.data
     console = make_console(stderr=False, highlight=False)
     console.print(table(plan))
@@ -40,6 +52,12 @@ def command(
         f"{len(plan['groups'])} groups; total {plan['method']} score {plan['objective']:.6g} "
         f"({solver}, {res.solve_seconds:.2f} s)"
     )
+    if plan.get("moe"):
+        m = plan["moe"]
+        console.print(
+            f"experts: {m['ratio']} ratios, budget counted in {m['cost']}; {m['decision_units']} decisions; "
+            f"stored bits {m['stored_bits']:.4f}"
+        )
     console.print(f"wrote {res.path}" + (f" and {res.chart}" if res.chart else ""))
 
 

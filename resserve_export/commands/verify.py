@@ -56,6 +56,14 @@ def command(
         red = 100 * (p["plain"] - p[key]) / p["plain"]
         t.add_row(label, f"{p[key]:.4e}", f"{-red:+.1f}%", f"{n['mean_per_layer'][key]:.4e}")
     con.print(t)
+    kinds = n.get("by_kind") or {}
+    if len(kinds) > 1:
+        kt = Table(title="pooled NMSE by kind of linear")
+        for col in ("kind", "plain W4A4", "checkpoint ratios", "full compensation"):
+            kt.add_column(col, justify="left" if col == "kind" else "right")
+        for kind, v in kinds.items():
+            kt.add_row(kind, f"{v['plain']:.4e}", f"{v['checkpoint']:.4e}", f"{v['full']:.4e}")
+        con.print(kt)
     pt = Table(title=f"perplexity on {rep['text']} ({rep['tokens_scored']} tokens)")
     # The source model's perplexity is stored under "bf16" whatever its dtype: show the real one.
     for k in (rep["model_dtype"], "plain", "checkpoint", "full"):
