@@ -32,7 +32,8 @@ from .experts import expert_blocks, routers
 from .layout import build_layout, model_groups
 from .pack import check_format_arg, load_ratios
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
+_MOE = ("qwen3_moe", "mixtral", "deepseek_v3")
 _ST_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
@@ -41,8 +42,8 @@ def shapes_from_config(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
     mt = cfg.get("model_type")
     if mt not in SUPPORTED:
         raise UserError(f"size knows the tensor layout of {', '.join(SUPPORTED)} configs, not {mt!r}: pack the model and run `inspect` instead")
-    if mt not in ("qwen3_moe", "mixtral") and (cfg.get("num_experts") or cfg.get("num_local_experts")):
-        raise UserError(f"size knows the experts of qwen3_moe and mixtral configs, not of {mt!r}: pack the model and run `inspect` instead")
+    if mt not in _MOE and (cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")):
+        raise UserError(f"size knows the experts of {', '.join(_MOE)} configs, not of {mt!r}: pack the model and run `inspect` instead")
     try:
         H, I, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
         nh, V = cfg["num_attention_heads"], cfg["vocab_size"]
@@ -63,13 +64,19 @@ def shapes_from_config(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
         out[f"{p}.input_layernorm.weight"] = (dt, (H,))
         out[f"{p}.post_attention_layernorm.weight"] = (dt, (H,))
         mlp = _experts(cfg, i, H, dt) or [("mlp.gate_proj", I, H, mlp_bias), ("mlp.up_proj", I, H, mlp_bias), ("mlp.down_proj", H, I, mlp_bias)]
-        for name, n, k, bias in (
-            ("self_attn.q_proj", nh * hd, H, qkv_bias),
-            ("self_attn.k_proj", nkv * hd, H, qkv_bias),
-            ("self_attn.v_proj", nkv * hd, H, qkv_bias),
-            ("self_attn.o_proj", H, nh * hd, o_bias),
-            *mlp,
-        ):
+        if mt == "deepseek_v3":
+            attention = _mla(cfg, p, H, nh, dt, out)
+        else:
+            attention = [
+                ("self_attn.q_proj", nh * hd, H, qkv_bias),
+                ("self_attn.k_proj", nkv * hd, H, qkv_bias),
+                ("self_attn.v_proj", nkv * hd, H, qkv_bias),
+                ("self_attn.o_proj", H, nh * hd, o_bias),
+            ]
+        for name, n, k, bias in (*attention, *mlp):
+            if k == 0:  # a vector: DeepSeek's router correction bias
+                out[f"{p}.{name}"] = (dt, (n,))
+                continue
             out[f"{p}.{name}.weight"] = (dt, (n, k))
             if bias:
                 out[f"{p}.{name}.bias"] = (dt, (n,))
@@ -94,6 +101,20 @@ def _experts(cfg: dict, layer: int, H: int, dt: str) -> list[tuple[str, int, int
     elif mt == "mixtral":
         E, I = cfg.get("num_local_experts") or 0, cfg.get("intermediate_size")
         root, leaves = "block_sparse_moe", ("w1", "w3", "w2")
+    elif mt == "deepseek_v3":
+        E, I = cfg.get("n_routed_experts") or 0, cfg.get("moe_intermediate_size")
+        if not E or layer < (cfg.get("first_k_dense_replace") or 0) or layer % (cfg.get("moe_layer_freq") or 1):
+            return []
+        root, leaves = "mlp", ("gate_proj", "up_proj", "down_proj")
+        shared = (cfg.get("n_shared_experts") or 0) * (I or 0)
+        out = [("mlp.gate", E, H, False), ("mlp.gate.e_score_correction_bias", E, 0, False)]
+        if shared:
+            out += [("mlp.shared_experts.gate_proj", shared, H, False), ("mlp.shared_experts.up_proj", shared, H, False)]
+            out.append(("mlp.shared_experts.down_proj", H, shared, False))
+        for e in range(E):
+            out += [(f"{root}.experts.{e}.{leaves[0]}", I, H, False), (f"{root}.experts.{e}.{leaves[1]}", I, H, False)]
+            out.append((f"{root}.experts.{e}.{leaves[2]}", H, I, False))
+        return out
     else:
         return []
     if not isinstance(I, int) or not E:
@@ -103,6 +124,28 @@ def _experts(cfg: dict, layer: int, H: int, dt: str) -> list[tuple[str, int, int
         out += [(f"{root}.experts.{e}.{leaves[0]}", I, H, False), (f"{root}.experts.{e}.{leaves[1]}", I, H, False)]
         out.append((f"{root}.experts.{e}.{leaves[2]}", H, I, False))
     return out
+
+
+def _mla(cfg: dict, p: str, H: int, nh: int, dt: str, out: dict) -> list[tuple[str, int, int, bool]]:
+    """DeepSeek-V3's multi-head latent attention projections (norms of the low-rank paths go
+    straight into `out`)."""
+    try:
+        r_kv, rope, nope, vd = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    except KeyError as e:
+        raise UserError(f"config lacks {e.args[0]!r}: pass the model's config.json") from None
+    r_q = cfg.get("q_lora_rank")
+    if r_q:
+        q = [("self_attn.q_a_proj", r_q, H, False), ("self_attn.q_b_proj", nh * (nope + rope), r_q, False)]
+        out[f"{p}.self_attn.q_a_layernorm.weight"] = (dt, (r_q,))
+    else:
+        q = [("self_attn.q_proj", nh * (nope + rope), H, False)]
+    out[f"{p}.self_attn.kv_a_layernorm.weight"] = (dt, (r_kv,))
+    return [
+        *q,
+        ("self_attn.kv_a_proj_with_mqa", r_kv + rope, H, False),
+        ("self_attn.kv_b_proj", nh * (nope + vd), r_kv, False),
+        ("self_attn.o_proj", H, nh * vd, False),
+    ]
 
 
 @dataclass

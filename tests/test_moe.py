@@ -321,14 +321,24 @@ def test_loaders_decode_expert_tensors(moe, tmp_path):
 
 
 @pytest.mark.parametrize("fmt,ratio", [("nvfp4", 0.25), ("mxfp4", 0.125), ("nvfp4", 0.0)])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_size_equals_what_pack_writes(moe, arch, fmt, ratio, tmp_path):
+    from resserve_export.size import shapes_from_config
+
     model = moe["models"][arch]
+    cfg = json.loads((model / "config.json").read_text())
+    assert shapes_from_config(cfg) == modelio.tensor_shapes(model)  # names, dtypes and shapes, every tensor
     calib = make_calibration(model, tmp_path / "c")
     out = pack(model, calib, tmp_path / "ck", fmt, ratio=ratio, progress=False).out
-    rep = estimate(json.loads((model / "config.json").read_text()), fmt, ratio=ratio)
+    rep = estimate(cfg, fmt, ratio=ratio)
     got = _written(out)
     assert {k: rep.classes[k] for k in got} == got and got["quantized linears"] > 0
+
+
+def test_size_refuses_gpt_oss(moe):
+    cfg = json.loads((moe["models"]["gpt_oss"] / "config.json").read_text())
+    with pytest.raises(UserError, match="size knows the tensor layout of"):
+        estimate(cfg, "nvfp4", ratio=0.0)
 
 
 def test_size_of_a_qwen3_moe_config_counts_every_expert():

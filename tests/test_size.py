@@ -151,7 +151,7 @@ def test_size_cli(tmp_path, capsys):
 
 
 def test_size_refuses_unknown_architectures():
-    with pytest.raises(UserError, match="experts of qwen3_moe and mixtral"):
+    with pytest.raises(UserError, match="size knows the experts of qwen3_moe, mixtral, deepseek_v3 configs"):
         estimate({**QWEN3_8B, "num_experts": 8}, "nvfp4", ratio=0.0)
     with pytest.raises(UserError, match="tensor layout"):
         estimate({**QWEN3_8B, "model_type": "gpt2"}, "nvfp4", ratio=0.0)
