@@ -10,8 +10,11 @@ machine is mostly scheduling noise).
   python bench/calibrate.py gpu              # random Qwen3-1.7B-shaped model on one CUDA GPU
   python bench/calibrate.py multi-gpu        # same model through device_map="auto" over every
                                              # visible GPU; statistics compared with one GPU
+  python bench/calibrate.py moe [--device cpu|cuda:0]
+                                             # random mixture-of-experts model (Qwen3-MoE layout):
+                                             # --moe-calib routed and all against the bare forward
 
-Target (issue 3): hooked / plain <= 1.10.
+Targets: hooked / plain <= 1.10 (dense); routed / plain <= 1.15 (MoE), all reported beside it.
 """
 
 from __future__ import annotations
@@ -221,9 +224,81 @@ def bench_multi_gpu(args) -> dict:
     }
 
 
+# A Qwen3-30B-A3B-like expert layout (128 experts of 768, top 8) scaled to a CPU: 64 experts of
+# 256 over hidden 1024, top 8; --shape 30b for the real Qwen3-30B-A3B shape on a GPU.
+MOE_SMALL = dict(hidden_size=1024, intermediate_size=3072, moe_intermediate_size=256, num_experts=64, num_experts_per_tok=8,
+                 num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=32000)
+MOE_30B = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+               num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936)
+
+
+def bench_moe(args) -> dict:
+    """The statistics hooks with every expert seen (`experts.ExpertCollector`, routed and all)
+    against the bare forward: transformers' default experts implementation and its eager loop
+    (which the collector runs)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from resserve_export.experts import ExpertCollector, expert_blocks
+    from resserve_export.groups import group_linears, linears_of
+    from resserve_export.kvcache import KVCollector
+
+    torch.set_num_threads(args.threads)
+    shape = MOE_30B if args.shape == "30b" else MOE_SMALL
+    if args.smoke:
+        shape = dict(shape, hidden_size=64, moe_intermediate_size=32, num_experts=8, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)
+    dev = torch.device(args.device)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape)).to(torch.bfloat16).eval()
+    from resserve_export.size import shapes_from_config
+
+    blocks = expert_blocks(shapes_from_config(dict(model.config.to_dict(), model_type="qwen3_moe")))  # the checkpoint's expert names
+    batches = random_batches(args.batches, args.batch, args.seq, shape["vocab_size"], pad_rows=args.batch // 4)
+    dense = group_linears(linears_of(model))
+    kw = cal.forward_kwargs(model)
+    default_impl = model.config._experts_implementation
+
+    def plain(impl):
+        def run():
+            model.config._experts_implementation = impl
+            forward_plain(model, batches, kw)
+            model.config._experts_implementation = default_impl
+        return run
+
+    def hooked(mode):
+        def run():
+            kv = KVCollector(model)
+            with ExpertCollector(model, blocks, mode) as ec:
+                stats, _ = cal.collect(model, batches, dense, kv=kv, experts=ec)
+            ec.result()
+        return run
+
+    arms = {"plain_default": plain(default_impl), "plain_eager": plain("eager"), "routed": hooked("routed"), "all": hooked("all")}
+    for fn in arms.values():
+        fn()  # warm-up
+    times = {k: [] for k in arms}
+    for _ in range(args.reps):
+        for k, fn in arms.items():
+            times[k].append(timed(fn, model)[0])
+    base = times["plain_default"]
+    tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+    return {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({args.threads} threads)",
+        "model": f"random Qwen3-MoE, {shape['num_hidden_layers']} layers, {shape['num_experts']} experts x {shape['moe_intermediate_size']} "
+        f"(top {shape['num_experts_per_tok']}), hidden {shape['hidden_size']}, bf16",
+        "default_experts_implementation": default_impl,
+        "tokens_per_pass": tokens,
+        "reps": args.reps,
+        "median_s": {k: statistics.median(v) for k, v in times.items()},
+        "ratio_to_default_median_of_pairs": {k: statistics.median(a / b for a, b in zip(v, base)) for k, v in times.items()},
+        "ratio_to_eager_median_of_pairs": {k: statistics.median(a / b for a, b in zip(v, times["plain_eager"])) for k, v in times.items()},
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["cpu", "gpu", "multi-gpu"])
+    p.add_argument("mode", choices=["cpu", "gpu", "multi-gpu", "moe"])
+    p.add_argument("--shape", choices=["small", "30b"], default="small", help="moe: the model's shape")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=None)
@@ -238,6 +313,9 @@ def main() -> None:
     if args.mode == "cpu":
         args.seq, args.batches, args.reps = args.seq or 256, args.batches or 2, args.reps or 5
         res = bench_cpu(args)
+    elif args.mode == "moe":
+        args.seq, args.batches, args.reps = args.seq or 256, args.batches or 2, args.reps or 5
+        res = bench_moe(args)
     elif args.mode == "gpu":
         args.seq, args.batches, args.reps = args.seq or 2048, args.batches or 4, args.reps or 10
         res = bench_gpu(args)

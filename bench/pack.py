@@ -1,4 +1,6 @@
-"""Benchmark `pack` on a Qwen3-4B-shaped random bf16 checkpoint (~8 GB).
+"""Benchmark `pack` on a Qwen3-4B-shaped random bf16 checkpoint (~8 GB), or with ``--arch
+qwen3-moe`` on Qwen3-30B-A3B-shaped mixture-of-experts layers (128 experts of 768 per layer;
+6 layers by default, ~8.6 GB: per-expert tensors, as the hub checkpoints name them).
 
 Generates the checkpoint once under ``.cache/bench/`` (4 shards, written tensor by tensor), a
 calibration dir of random statistics following the contract, then runs in separate processes
@@ -14,7 +16,7 @@ includes hashing the whole source once, as a pack on a machine that did not cali
 
 and prints a Markdown table: seconds, GB/s of bf16 source, peak RSS, ratio to the peers.
 
-  .venv/bin/python bench/pack.py [--layers 36] [--ratios 0,0.25] [--device cpu] [--depth N]
+  .venv/bin/python bench/pack.py [--arch qwen3-4b|qwen3-moe] [--layers N] [--ratios 0,0.25] [--device cpu] [--depth N]
 
 ``--depth N`` runs `ours` with ``RESSERVE_PACK_DEPTH=N`` (0: read, quantize and write one after
 another on one thread; default: the pipelined pack's own depth).
@@ -55,6 +57,39 @@ QWEN3_4B = {
 }
 
 
+# Qwen3-30B-A3B's published shape (config.json of Qwen/Qwen3-30B-A3B).
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000,
+    "hidden_act": "silu",
+}
+ARCHS = {"qwen3-4b": (QWEN3_4B, 36), "qwen3-moe": (QWEN3_30B_A3B, 6)}
+
+
+def paths(arch: str, layers: int) -> tuple[Path, Path]:
+    """The generated checkpoint and its calibration directory."""
+    if arch == "qwen3-4b":
+        return BENCH / f"qwen3-4b-L{layers}", BENCH / f"calib-L{layers}"
+    return BENCH / f"{arch}-L{layers}", BENCH / f"calib-{arch}-L{layers}"
+
+
 def _peak_rss_gb() -> float:
     """This process's peak RSS (VmHWM). Not ru_maxrss: Linux carries the parent's RSS at fork
     into a child's ru_maxrss across exec, which would charge the generator's memory to each run."""
@@ -64,14 +99,14 @@ def _peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
-def generate(model_dir: Path, layers: int) -> None:
-    """Random bf16 weights (std 0.02, a few outlier columns) with the Qwen3-4B tensor layout."""
+def generate(model_dir: Path, layers: int, arch: str = "qwen3-4b") -> None:
+    """Random bf16 weights (std 0.02, a few outlier columns) with the architecture's tensor layout."""
     import torch
 
     from resserve_export.checkpoint import MODEL_INDEX, ShardedWriter, TensorSpec, dump_json, split_shards
     from resserve_export.size import shapes_from_config
 
-    cfg = {**QWEN3_4B, "num_hidden_layers": layers}
+    cfg = {**ARCHS[arch][0], "num_hidden_layers": layers}
     if (model_dir / "config.json").exists() and json.loads((model_dir / "config.json").read_text()) == cfg:
         return
     shutil.rmtree(model_dir, ignore_errors=True)
@@ -118,7 +153,7 @@ def calibration(model_dir: Path, calib: Path) -> None:
             t[f"{m}.mean_abs"] = mean_abs.clone()
             t[f"{m}.amax"] = (mean_abs.max() * 10).reshape(())
     save_file(t, str(calib / "salience.safetensors"))
-    meta = {"model": "qwen3-4b-random", "fingerprint": fp, "fingerprint_method": modelio.FINGERPRINT_METHOD, "dataset": "random", "num_samples": 0, "num_tokens": 0,
+    meta = {"model": model_dir.name, "fingerprint": fp, "fingerprint_method": modelio.FINGERPRINT_METHOD, "dataset": "random", "num_samples": 0, "num_tokens": 0,
             "seq_len": 0, "batch_size": 0, "seed": 1, "versions": {}, "wall_time_s": 0, "groups": [list(x.modules) for x in groups]}
     (calib / "calibration.json").write_text(json.dumps(meta))
 
@@ -197,7 +232,7 @@ def child(args) -> None:
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
-    model_dir, calib = BENCH / f"qwen3-4b-L{args.layers}", BENCH / f"calib-L{args.layers}"
+    model_dir, calib = paths(args.arch, args.layers)
     cold = tempfile.mkdtemp(prefix="resserve-bench-cache-")
     os.environ["RESSERVE_CACHE"] = cold  # no fingerprint cached: every run hashes the source
     if args.child == "fingerprint":
@@ -221,7 +256,8 @@ def child(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="qwen3-4b")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: 36 for qwen3-4b, 6 for qwen3-moe)")
     ap.add_argument("--ratios", default="0,0.25")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--skip", default="", help="comma list of peers to skip: modelopt,io,fingerprint")
@@ -229,12 +265,13 @@ def main() -> None:
     ap.add_argument("--child", choices=["ours", "modelopt", "io", "fingerprint"], help=argparse.SUPPRESS)
     ap.add_argument("--ratio", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.layers = args.layers or ARCHS[args.arch][1]
     if args.child:
         return child(args)
     sys.path.insert(0, str(ROOT))
-    model_dir, calib = BENCH / f"qwen3-4b-L{args.layers}", BENCH / f"calib-L{args.layers}"
+    model_dir, calib = paths(args.arch, args.layers)
     t = time.perf_counter()
-    generate(model_dir, args.layers)
+    generate(model_dir, args.layers, args.arch)
     calibration(model_dir, calib)
     src = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     print(f"source: {model_dir.name}, {src / 1e9:.2f} GB bf16 (ready in {time.perf_counter() - t:.0f} s)", flush=True)
@@ -244,7 +281,7 @@ def main() -> None:
     for kind, ratio in runs:
         if kind in skip:
             continue
-        cmd = [sys.executable, __file__, "--layers", str(args.layers), "--child", kind, "--device", args.device]
+        cmd = [sys.executable, __file__, "--arch", args.arch, "--layers", str(args.layers), "--child", kind, "--device", args.device]
         if ratio is not None:
             cmd += ["--ratio", str(ratio)]
         env = dict(os.environ)

@@ -221,12 +221,15 @@ class ExpertCollector:
 
     @staticmethod
     def _add(acc: dict, key: str, e: int, x) -> None:
+        """Σ|x| over the rows reduced in float32 (float64 for a float64 model) and added to a
+        float64 accumulator, and the running amax, as for dense linears."""
         import torch
 
-        s = x.abs().sum(0, dtype=torch.float64)
-        m = x.abs().amax().float() if x.shape[0] else torch.zeros((), dtype=torch.float32, device=x.device)
+        a = x.abs()
+        s = a.sum(0, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+        m = a.amax().float() if x.shape[0] else torch.zeros((), dtype=torch.float32, device=x.device)
         if acc["sum_" + key][e] is None:
-            acc["sum_" + key][e], acc["amax_" + key][e] = s, m
+            acc["sum_" + key][e], acc["amax_" + key][e] = s.to(torch.float64), m
         else:
             acc["sum_" + key][e] += s
             acc["amax_" + key][e] = torch.maximum(acc["amax_" + key][e], m)
@@ -249,8 +252,9 @@ class ExpertCollector:
             with torch.no_grad():
                 everyone = hidden_states[valid] if self.mode == "all" else None
                 if everyone is not None:
-                    s_all = everyone.abs().sum(0, dtype=torch.float64)
-                    m_all = everyone.abs().amax().float() if everyone.shape[0] else torch.zeros((), device=everyone.device)
+                    a_all = everyone.abs()
+                    s_all = a_all.sum(0, dtype=torch.float64 if everyone.dtype == torch.float64 else torch.float32).to(torch.float64)
+                    m_all = a_all.amax().float() if everyone.shape[0] else torch.zeros((), device=everyone.device)
                 for e in range(E):
                     top_k_pos, token_idx = torch.where((top_k_index == e).t())
                     keep = valid[token_idx]
