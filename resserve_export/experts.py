@@ -11,9 +11,9 @@ checkpoint's per-expert names; only the calibration hooks know the fused layout.
 Per expert, gate and up read the same rows (one decision group: one mask, one ``weight_scale_2``,
 as vLLM fuses them into w13) and down reads ``act(gate) * up``. Routers stay unquantized.
 
-Calibration (`ExpertCollector`) runs each layer's experts as transformers' eager loop does (one
-expert at a time over its routed rows; transformers' default ``grouped_mm`` may round the sums
-differently) and takes statistics inside it: ``routed`` takes each expert's statistics over the tokens the
+Calibration (`ExpertCollector`) runs each layer's experts as one grouped GEMM per projection over
+the (token, expert) rows sorted by expert, as transformers' default experts implementation does,
+and takes statistics inside it: ``routed`` takes each expert's statistics over the tokens the
 router sends it; ``all`` (the default) runs every expert on every calibration token for its
 statistics while the model's output keeps the true routing, so rarely routed experts still get
 scales from real activations. Either way the routed-token count per expert is recorded. An
@@ -180,10 +180,57 @@ def _fused(model, blocks: list[ExpertBlock]) -> dict[str, tuple[str, object]]:
     return out
 
 
+# Rows of sorted (token, expert) pairs reduced at a time into per-expert statistics (bounds the
+# float32 temporaries: 65,536 rows of a 4,096-wide input are 1 GiB).
+STATS_ROWS = 1 << 16
+
+
+def _grouped_mm(x, w, offs):
+    """``x`` (rows sorted by expert) times each expert's ``w[e]ᵀ`` (``w`` [E, out, in]): torch's
+    grouped GEMM where it exists, else one GEMM per expert."""
+    import torch
+    from torch.nn import functional as F
+
+    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if fn is not None:
+        try:
+            return fn(x, w.transpose(-2, -1), offs=offs)
+        except (RuntimeError, NotImplementedError):
+            pass
+    out, start = [], 0
+    for e, end in enumerate(offs.tolist()):
+        out.append(x[start:end] @ w[e].t())
+        start = end
+    return torch.cat(out)
+
+
+def _segment_stats(rows, weight, lengths: list[int], acc_sum, acc_amax) -> None:
+    """Add Σ|row|·weight (float32 per segment, into float64 ``acc_sum`` [E, K]) and fold
+    max|row|·weight into ``acc_amax`` [E], for consecutive segments of ``lengths`` rows (one per
+    expert). ``weight``: 1 for a valid token's row, 0 for padding."""
+    import torch
+
+    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    e0, r0 = 0, 0
+    while e0 < len(lengths):
+        e1, r1 = e0, r0
+        while e1 < len(lengths) and (e1 == e0 or r1 - r0 + lengths[e1] <= STATS_ROWS):
+            r1 += lengths[e1]
+            e1 += 1
+        lens = torch.tensor(lengths[e0:e1], device=rows.device)
+        a = rows[r0:r1].abs().to(acc) * weight[r0:r1, None].to(acc)
+        acc_sum[e0:e1] += torch.segment_reduce(a, "sum", lengths=lens, axis=0, initial=0)
+        peak = torch.segment_reduce(a.amax(1) if a.shape[0] else a.new_zeros(0), "max", lengths=lens, initial=0)
+        acc_amax[e0:e1] = torch.maximum(acc_amax[e0:e1], peak.float())
+        e0, r0 = e1, r1
+
+
 class ExpertCollector:
     """Per-expert Σ|x| (float64), amax and token counts over the valid (non-padding) tokens, for
-    every fused experts module of the model; the modules' forward is replaced while installed
-    (same arithmetic as transformers' eager experts loop, so the model's output is unchanged)."""
+    every fused experts module of the model. While installed, each module's forward is replaced
+    by a grouped one (rows sorted by expert, one grouped GEMM per projection, as transformers'
+    default ``grouped_mm`` experts compute) that also takes the statistics: gate/up inputs are
+    the routed hidden rows, down inputs ``act(gate) · up`` as computed for the output."""
 
     def __init__(self, model, blocks: list[ExpertBlock], mode: str = "all"):
         if mode not in MOE_CALIB:
@@ -192,19 +239,10 @@ class ExpertCollector:
         self.mode = mode
         self._modules = fused_modules(model, blocks)
         self._valid = None
-        self._acc: dict[str, dict] = {}
-        for b in blocks:
-            self._acc[b.prefix] = {
-                "routed": [0] * b.num_experts,
-                "rows": [0] * b.num_experts,
-                "sum_in": [None] * b.num_experts,
-                "amax_in": [None] * b.num_experts,
-                "sum_mid": [None] * b.num_experts,
-                "amax_mid": [None] * b.num_experts,
-            }
+        self._acc: dict[str, dict] = {b.prefix: {} for b in blocks}
         for b in blocks:
             mod = self._modules[b.prefix]
-            mod.forward = self._forward(mod, self._acc[b.prefix])
+            mod.forward = self._forward(mod, b, self._acc[b.prefix])
 
     def __enter__(self) -> ExpertCollector:
         return self
@@ -220,66 +258,71 @@ class ExpertCollector:
         self._valid = attention_mask.detach().reshape(-1).to("cpu").bool()
 
     @staticmethod
-    def _add(acc: dict, key: str, e: int, x) -> None:
-        """Σ|x| over the rows reduced in float32 (float64 for a float64 model) and added to a
-        float64 accumulator, and the running amax, as for dense linears."""
+    def _init(acc: dict, b: ExpertBlock, device) -> None:
         import torch
 
-        a = x.abs()
-        s = a.sum(0, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
-        m = a.amax().float() if x.shape[0] else torch.zeros((), dtype=torch.float32, device=x.device)
-        if acc["sum_" + key][e] is None:
-            acc["sum_" + key][e], acc["amax_" + key][e] = s.to(torch.float64), m
-        else:
-            acc["sum_" + key][e] += s
-            acc["amax_" + key][e] = torch.maximum(acc["amax_" + key][e], m)
+        E = b.num_experts
+        acc.update(
+            routed=torch.zeros(E, dtype=torch.int64, device=device),
+            rows=torch.zeros(E, dtype=torch.int64, device=device),
+            sum_in=torch.zeros(E, b.hidden, dtype=torch.float64, device=device),
+            amax_in=torch.zeros(E, dtype=torch.float32, device=device),
+            sum_mid=torch.zeros(E, b.intermediate, dtype=torch.float64, device=device),
+            amax_mid=torch.zeros(E, dtype=torch.float32, device=device),
+        )
 
-    def _forward(self, mod, acc: dict):
+    def _forward(self, mod, b: ExpertBlock, acc: dict):
         import torch
-        from torch.nn import functional as F
 
         def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
             if self._valid is None:
                 raise RuntimeError("ExpertCollector.set_mask() must be called before each forward pass")
-            E = mod.gate_up_proj.shape[0]
-            valid = self._valid.to(hidden_states.device)
-            if valid.numel() != hidden_states.shape[0]:
+            T, k, E = hidden_states.shape[0], top_k_index.shape[-1], b.num_experts
+            dev = hidden_states.device
+            if self._valid.numel() != T:
                 raise UserError(
-                    f"the experts see {hidden_states.shape[0]} rows, not the batch's {valid.numel()} tokens: padding cannot be "
+                    f"the experts see {T} rows, not the batch's {self._valid.numel()} tokens: padding cannot be "
                     "excluded for them; this architecture's layout is not supported"
                 )
-            final = torch.zeros_like(hidden_states)
+            if not acc:
+                self._init(acc, b, dev)
+            valid = self._valid.to(dev)
             with torch.no_grad():
-                everyone = hidden_states[valid] if self.mode == "all" else None
-                if everyone is not None:
-                    a_all = everyone.abs()
-                    s_all = a_all.sum(0, dtype=torch.float64 if everyone.dtype == torch.float64 else torch.float32).to(torch.float64)
-                    m_all = a_all.amax().float() if everyone.shape[0] else torch.zeros((), device=everyone.device)
-                for e in range(E):
-                    top_k_pos, token_idx = torch.where((top_k_index == e).t())
-                    keep = valid[token_idx]
-                    acc["routed"][e] += int(keep.sum())
-                    if token_idx.numel():
-                        x = hidden_states[token_idx]
-                        gate, up = F.linear(x, mod.gate_up_proj[e]).chunk(2, dim=-1)
-                        h = mod.act_fn(gate) * up
-                        y = F.linear(h, mod.down_proj[e]) * top_k_weights[token_idx, top_k_pos, None]
-                        final.index_add_(0, token_idx, y.to(final.dtype))
-                    if everyone is None:
-                        if token_idx.numel():
-                            self._add(acc, "in", e, x[keep])
-                            self._add(acc, "mid", e, h[keep])
-                            acc["rows"][e] += int(keep.sum())
-                    else:
-                        if acc["sum_in"][e] is None:
-                            acc["sum_in"][e], acc["amax_in"][e] = s_all.clone(), m_all.clone()
-                        else:
-                            acc["sum_in"][e] += s_all
-                            acc["amax_in"][e] = torch.maximum(acc["amax_in"][e], m_all)
-                        g_all, u_all = F.linear(everyone, mod.gate_up_proj[e]).chunk(2, dim=-1)
-                        self._add(acc, "mid", e, mod.act_fn(g_all) * u_all)
-                        acc["rows"][e] += int(everyone.shape[0])
-            return final
+                ids = top_k_index.reshape(-1)
+                ids_sorted, perm = torch.sort(ids, stable=True)
+                token = perm // k
+                counts = torch.bincount(ids, minlength=E)
+                lengths = counts.tolist()
+                offs = counts.cumsum(0).to(torch.int32)
+                xs = hidden_states[token]
+                gate, up = _grouped_mm(xs, mod.gate_up_proj, offs).chunk(2, dim=-1)
+                h = mod.act_fn(gate) * up
+                y = _grouped_mm(h, mod.down_proj, offs) * top_k_weights.reshape(-1)[perm, None]
+                unsorted = torch.empty_like(y)
+                unsorted[perm] = y
+                out = unsorted.view(T, k, -1).sum(1).to(hidden_states.dtype)  # a fixed order: deterministic
+
+                keep = valid[token]
+                acc["routed"] += torch.zeros(E, dtype=torch.int64, device=dev).index_add_(0, ids_sorted, keep.long())
+                if self.mode == "routed":
+                    _segment_stats(xs, keep, lengths, acc["sum_in"], acc["amax_in"])
+                    _segment_stats(h, keep, lengths, acc["sum_mid"], acc["amax_mid"])
+                    acc["rows"] += torch.zeros(E, dtype=torch.int64, device=dev).index_add_(0, ids_sorted, keep.long())
+                else:
+                    # every expert on every valid token, for its statistics only
+                    everyone = hidden_states[valid]
+                    n = everyone.shape[0]
+                    ones = torch.ones(n, dtype=torch.bool, device=dev)
+                    one = torch.zeros(1, b.hidden, dtype=torch.float64, device=dev)
+                    peak = torch.zeros(1, dtype=torch.float32, device=dev)
+                    _segment_stats(everyone, ones, [n], one, peak)
+                    acc["sum_in"] += one
+                    acc["amax_in"].copy_(torch.maximum(acc["amax_in"], peak))
+                    for e in range(E):
+                        g_all, u_all = (everyone @ mod.gate_up_proj[e].t()).chunk(2, dim=-1)
+                        _segment_stats(mod.act_fn(g_all) * u_all, ones, [n], acc["sum_mid"][e : e + 1], acc["amax_mid"][e : e + 1])
+                    acc["rows"] += n
+            return out
 
         return forward
 
@@ -290,8 +333,7 @@ class ExpertCollector:
         self._valid = None
         for b in self.blocks:
             a = self._acc[b.prefix]
-            maxima = [m for m in a["amax_in"] + a["amax_mid"] if m is not None]
-            if maxima and not bool(torch.isfinite(torch.stack(maxima)).all()):
+            if a and not bool(torch.isfinite(torch.cat([a["amax_in"], a["amax_mid"]])).all()):
                 raise UserError(
                     f"non-finite (NaN/Inf) activations reach the experts of {b.prefix}: the model's weights or dtype overflow; "
                     "try --dtype float32 or check the checkpoint"
@@ -307,32 +349,32 @@ class ExpertCollector:
         fallbacks = []
         for b in self.blocks:
             a = self._acc[b.prefix]
-            seen = [e for e in range(b.num_experts) if a["rows"][e] > 0]
-            rows_total = sum(a["rows"][e] for e in seen)
-            pooled = None
-            if len(seen) < b.num_experts:
-                if not seen:
-                    raise UserError(f"no expert of {b.prefix} saw a calibration token: use more samples or --moe-calib all")
-                pooled = {
-                    "in": (sum(a["sum_in"][e] for e in seen) / rows_total, torch.stack([a["amax_in"][e] for e in seen]).amax()),
-                    "mid": (sum(a["sum_mid"][e] for e in seen) / rows_total, torch.stack([a["amax_mid"][e] for e in seen]).amax()),
-                }
-            missing = []
+            if not a:
+                raise UserError(f"the experts of {b.prefix} never ran in the forward pass: they cannot be calibrated")
+            rows = a["rows"].cpu()
+            seen = rows > 0
+            if not bool(seen.any()):
+                raise UserError(f"no expert of {b.prefix} saw a calibration token: use more samples or --moe-calib all")
+            per = {
+                "in": (a["sum_in"].cpu() / rows.clamp_min(1)[:, None], a["amax_in"].cpu()),
+                "mid": (a["sum_mid"].cpu() / rows.clamp_min(1)[:, None], a["amax_mid"].cpu()),
+            }
+            # the fallback: Σ|x| / Σ tokens over the experts that saw tokens, and their max amax
+            pooled = {
+                key: (a["sum_" + key].cpu()[seen].sum(0) / rows[seen].sum(), a["amax_" + key].cpu()[seen].max())
+                for key in ("in", "mid")
+            }
+            missing = [e for e in range(b.num_experts) if not bool(seen[e])]
             for e in range(b.num_experts):
                 for key, roles in (("in", ("gate", "up")), ("mid", ("down",))):
-                    if a["rows"][e] > 0:
-                        mean, amax = a["sum_" + key][e] / a["rows"][e], a["amax_" + key][e]
-                    else:
-                        mean, amax = pooled[key]
+                    mean, amax = (per[key][0][e], per[key][1][e]) if bool(seen[e]) else pooled[key]
                     for r in roles:
                         stats[b.module(e, r)] = {
-                            "mean_abs": mean.to("cpu", torch.float32).contiguous(),
-                            "amax": amax.to("cpu", torch.float32).reshape(()).clone(),
+                            "mean_abs": mean.to(torch.float32).contiguous(),
+                            "amax": amax.to(torch.float32).reshape(()).clone(),
                         }
-                if a["rows"][e] == 0:
-                    missing.append(e)
             fallbacks += [f"{b.prefix}.{e}" for e in missing]
-            record["blocks"][b.prefix] = {"experts": b.num_experts, "routed_tokens": list(a["routed"]), "fallback": missing}
+            record["blocks"][b.prefix] = {"experts": b.num_experts, "routed_tokens": a["routed"].cpu().tolist(), "fallback": missing}
         record["fallback_rule"] = "pooled statistics of the layer's experts that saw tokens (sum |x| / sum tokens, max amax)"
         self.fallbacks = fallbacks
         return stats, record

@@ -123,8 +123,7 @@ def _oracle(moe, arch: str, mode: str) -> tuple[dict, dict, int]:
     tok = modelio.load_tokenizer(model)
     samples = data.make_samples(tok, data.load_documents(cfg.dataset), cfg.num_samples, cfg.seq_len, cfg.seed)
     batches = data.batches(samples, cfg.batch_size, data.pad_id(tok))
-    net = modelio.load_model(model)
-    net.config._experts_implementation = "eager"  # what calibration runs (transformers' default may batch differently)
+    net = modelio.load_model(model)  # transformers' default (grouped) experts, as calibration computes them
     blocks = expert_blocks(modelio.tensor_shapes(model))
     src = {k: v.double() for k, v in _source(model).items()}
     sums: dict = {}
@@ -197,11 +196,12 @@ def test_every_expert_is_calibrated_on_its_tokens(moe, arch, mode):
     assert all(f"{m}.mean_abs" in stats for g in groups for m in g)
 
 
-def test_the_collector_keeps_the_models_output(moe):
-    """With the hooks installed the model computes what transformers' eager experts compute."""
-    model = moe["models"]["qwen3_moe"]
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_collector_keeps_the_models_output(moe, arch):
+    """With the hooks installed the model computes what transformers' default experts compute."""
+    model = moe["models"][arch]
     net = modelio.load_model(model)
-    net.config._experts_implementation = "eager"
+    assert net.config._experts_implementation == "grouped_mm"
     ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, 20:] = 0
