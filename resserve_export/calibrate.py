@@ -195,8 +195,9 @@ def check_in_features(linears: dict[str, tuple[int, int]]) -> None:
 
 def _same_rows(shape: tuple, batch: tuple) -> bool:
     """Whether leading dims `shape` are the batch's [B, T] with extra size-1 dims (DeepSeek's MLA
-    feeds kv_b_proj [B, 1, T, r]): its rows are then the batch's tokens in order."""
-    return tuple(d for d in shape if d != 1) == tuple(d for d in batch if d != 1)
+    feeds kv_b_proj [B, 1, T, r]) or flattened (Qwen2-MoE's shared expert reads [B·T, H]): its
+    rows are then the batch's tokens in order."""
+    return tuple(d for d in shape if d != 1) == tuple(d for d in batch if d != 1) or tuple(shape) == (math.prod(batch),)
 
 
 def _natural_key(name: str) -> list:

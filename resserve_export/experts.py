@@ -109,15 +109,15 @@ def expert_blocks(shapes: dict[str, tuple[str, tuple[int, ...]]], doing: str = "
 
 
 def routers(shapes: dict[str, tuple[str, tuple[int, ...]]], blocks: list[ExpertBlock]) -> list[str]:
-    """The router (gate) linears of the expert blocks: 2-D weights ``[E, H]`` beside the experts."""
-    out = []
-    for b in blocks:
-        parent = b.prefix.rsplit(".", 1)[0]
-        for leaf in ("gate", "router"):
-            spec = shapes.get(f"{parent}.{leaf}.weight")
-            if spec is not None and tuple(spec[1]) == (b.num_experts, b.hidden):
-                out.append(f"{parent}.{leaf}")
-    return out
+    """The linears of a mixture-of-experts checkpoint that stay unquantized besides ``lm_head``:
+    its routers (``mlp.gate``, ``block_sparse_moe.gate``) and gates such as Qwen2-MoE's
+    ``shared_expert_gate`` — named in the quantization config so that no loader quantizes them."""
+    from .checkpoint import natural_key
+    from .groups import is_quantized, linears_from_shapes
+
+    if not blocks:
+        return []
+    return sorted((m for m in linears_from_shapes(shapes) if not is_quantized(m) and m != "lm_head"), key=natural_key)
 
 
 def is_expert(module: str) -> bool:

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 
 # Never quantized (SPEC §7): embeddings, lm_head, norms, routers.
-_SKIP = re.compile(r"(^|\.)(lm_head|embed_tokens|wte|wpe|embed_out|gate|router|mlp\.gate|block_sparse_moe\.gate)$")
+_SKIP = re.compile(r"(^|\.)(lm_head|embed_tokens|wte|wpe|embed_out|gate|router|shared_expert_gate|mlp\.gate|block_sparse_moe\.gate)$")
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 _EXPERTS = re.compile(r"\.experts\.")
 

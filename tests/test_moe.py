@@ -52,6 +52,10 @@ def _configs():
                 qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,
             )
         ),
+        "qwen2_moe": T.Qwen2MoeForCausalLM(
+            T.Qwen2MoeConfig(**TINY, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
+                             num_experts_per_tok=TOP_K)
+        ),
         "gpt_oss": T.GptOssForCausalLM(
             T.GptOssConfig(**TINY, intermediate_size=64, num_local_experts=4, num_experts_per_tok=TOP_K, head_dim=16,
                            layer_types=["sliding_attention", "full_attention"])
@@ -239,6 +243,21 @@ def test_an_expert_no_token_reached_takes_the_pooled_statistics(moe):
     assert torch.equal(stats[b.module(3, "up")]["amax"], x.abs().max().float())
     assert stats[b.module(3, "down")]["amax"] == max(stats[b.module(e, "down")]["amax"] for e in range(3))
     assert not torch.equal(stats[b.module(3, "down")]["mean_abs"], stats[b.module(0, "down")]["mean_abs"])
+
+
+def test_qwen2_moe_shared_expert_and_its_gate(moe, tmp_path):
+    """Qwen2-MoE: the shared expert (read as [B·T, H] rows) is a dense MLP calibrated without
+    padding; its sigmoid gate stays bf16 and unquantized, like the router."""
+    model = moe["models"]["qwen2_moe"]
+    calib = _calibrated(moe, "qwen2_moe")
+    rec = json.loads((calib / "calibration.json").read_text())
+    assert ["model.layers.0.mlp.shared_expert.gate_proj", "model.layers.0.mlp.shared_expert.up_proj"] in rec["groups"]
+    assert not any("shared_expert_gate" in m for g in rec["groups"] for m in g)
+    out = pack(model, calib, tmp_path / "ck", "nvfp4", ratio=0.25, progress=False).out
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg["ignore"] == ["lm_head"] + [f"model.layers.{i}.mlp.{x}" for i in (0, 1) for x in ("gate", "shared_expert_gate")]
+    packed = read_checkpoint(out)
+    assert "model.layers.1.mlp.shared_expert.down_proj" in packed and "model.layers.1.mlp.experts.3.down_proj" in packed
 
 
 def _topk_mask_bool(mean_abs: torch.Tensor, k: int) -> torch.Tensor:
