@@ -225,6 +225,26 @@ def _segment_stats(rows, weight, lengths: list[int], acc_sum, acc_amax) -> None:
         e0, r0 = e1, r1
 
 
+def _install(mod, forward) -> tuple[str, object]:
+    """Make `forward` the module's computation. Under accelerate's offloading hooks (device_map
+    with CPU / disk offload) the hook's wrapper stays in front: it brings the weights to the
+    execution device, then calls ``_old_forward``, which is what gets replaced."""
+    name = "_old_forward" if hasattr(mod, "_hf_hook") and "_old_forward" in mod.__dict__ else "forward"
+    previous = mod.__dict__.get(name)
+    setattr(mod, name, forward) if name == "_old_forward" else mod.__dict__.__setitem__(name, forward)
+    return name, previous
+
+
+def _uninstall(mod, installed: tuple[str, object] | None) -> None:
+    if installed is None:
+        return
+    name, previous = installed
+    if previous is None:
+        mod.__dict__.pop(name, None)
+    else:
+        mod.__dict__[name] = previous
+
+
 class ExpertCollector:
     """Per-expert Σ|x| (float64), amax and token counts over the valid (non-padding) tokens, for
     every fused experts module of the model. While installed, each module's forward is replaced
@@ -240,9 +260,7 @@ class ExpertCollector:
         self._modules = fused_modules(model, blocks)
         self._valid = None
         self._acc: dict[str, dict] = {b.prefix: {} for b in blocks}
-        for b in blocks:
-            mod = self._modules[b.prefix]
-            mod.forward = self._forward(mod, b, self._acc[b.prefix])
+        self._previous = {b.prefix: _install(self._modules[b.prefix], self._forward(self._modules[b.prefix], b, self._acc[b.prefix])) for b in blocks}
 
     def __enter__(self) -> ExpertCollector:
         return self
@@ -251,8 +269,8 @@ class ExpertCollector:
         self.remove()
 
     def remove(self) -> None:
-        for mod in self._modules.values():
-            mod.__dict__.pop("forward", None)
+        for prefix, mod in self._modules.items():
+            _uninstall(mod, self._previous.pop(prefix, None))
 
     def set_mask(self, attention_mask) -> None:
         self._valid = attention_mask.detach().reshape(-1).to("cpu").bool()

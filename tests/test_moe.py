@@ -576,3 +576,32 @@ def test_expert_layouts_that_cannot_be_quantized_completely_are_refused():
     with pytest.raises(UserError, match="unlike expert 0"):
         expert_blocks({**base, "model.layers.0.mlp.experts.0.down_proj.weight": ("BF16", (64, 32)),
                        **{f"model.layers.0.mlp.experts.1.{x}.weight": ("BF16", (32, 64)) for x in ("gate_proj", "up_proj", "down_proj")}})
+
+
+def test_the_collector_runs_under_accelerate_offloading(moe):
+    """With accelerate's offloading hooks on the model (device_map with CPU / disk offload), the
+    hooks still bring the expert weights in first: the same statistics as without them, and the
+    hooks are intact afterwards."""
+    from accelerate import cpu_offload
+
+    model = moe["models"]["mixtral"]
+    blocks = expert_blocks(modelio.tensor_shapes(model))
+    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, 18:] = 0
+
+    def run(net):
+        with torch.inference_mode(), ExpertCollector(net, blocks, "routed") as ec:
+            ec.set_mask(mask)
+            logits = net(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            ec.end_batch()
+        return logits, ec.result()[0]
+
+    ref_logits, ref = run(modelio.load_model(model))
+    net = cpu_offload(modelio.load_model(model), execution_device=torch.device("cpu"))
+    assert net.model.layers[0].mlp.experts.gate_up_proj.device.type == "meta"
+    logits, got = run(net)
+    assert torch.equal(logits, ref_logits)
+    assert all(torch.equal(got[m]["mean_abs"], ref[m]["mean_abs"]) and torch.equal(got[m]["amax"], ref[m]["amax"]) for m in ref)
+    with torch.inference_mode():
+        assert torch.equal(net(input_ids=ids, attention_mask=mask, use_cache=False).logits, ref_logits)
