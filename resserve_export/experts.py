@@ -484,6 +484,11 @@ def unfused(model, blocks: list[ExpertBlock]):
         by_prefix = {b.prefix: b for b in blocks}
         for prefix, (name, fused) in _fused(model, blocks).items():
             b = by_prefix[prefix]
+            if fused.gate_up_proj.device.type == "meta":
+                raise UserError(
+                    f"the experts of {prefix} are offloaded (the model does not fit the devices): scores and verify need them in "
+                    "memory; use --scores none, or a device that holds the model"
+                )
             u = _unfused_module(fused, b)
             mounted.append(u)
             parent_path, _, leaf = name.rpartition(".")
