@@ -4,6 +4,8 @@
   NVFP4 kernel of its own), preceded by a variant that dequantizes weights once at load
   (:class:`.kernels.CachedEmulationNvFp4LinearKernel`, same arithmetic), and our pure-torch :class:`CpuMxfp4LinearKernel` for MXFP4 linears
   (vLLM's MXFP4 emulation needs ``amd-quark`` and CUDA-only kernels);
+- on the CPU platform, FP4 mixture-of-experts kernels for vLLM's own ModelOpt NVFP4 and
+  compressed-tensors MXFP4 MoE methods (:mod:`.moe`), which find none there;
 - the ``resserve`` quantization method (:mod:`.method`), which takes over a checkpoint whose
   ``quantization_config`` has a ``resserve`` section unless the user names another method.
 
@@ -39,6 +41,9 @@ def register_all() -> None:
     register_linear_kernel(CachedEmulationNvFp4LinearKernel, PlatformEnum.CPU, NVFP4.stock_kernel)
     register_linear_kernel(EmulationNvFp4LinearKernel, PlatformEnum.CPU, NVFP4.stock_kernel)
     register_linear_kernel(CpuMxfp4LinearKernel, PlatformEnum.CPU, MXFP4.stock_kernel)
+    from .moe import register_cpu_moe
+
+    register_cpu_moe()
     if method_enabled():
         from . import method  # noqa: F401  (registers "resserve" on import)
     _done = True
