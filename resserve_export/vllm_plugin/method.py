@@ -12,6 +12,15 @@ dequantizes base and extension to FP32 once, and computes every call with
 
 ``decode_rows`` is ``RESSERVE_DECODE_ROWS`` (default 16). The output is cast to the model dtype;
 in a float32 engine the whole linear is FP32 (the method accepts float32, bfloat16 and float16).
+
+Mixture-of-experts layers (:class:`ResServeMoEMethod`) load through the stock MoE method's
+parameters (per expert: w13 = gate | up, sharing one tensor scale and one input scale, and w2 =
+down). Each expert reads its own sidecar entries under the checkpoint's per-expert module names
+and computes, over the rows routed to it, exactly what two compensated linears compute: W13 with
+the expert's input α, vLLM's native SiLU-and-mul in the model dtype, W2 with its own α. The mode
+follows the same rule, from the rows of the whole engine step (a decode step's experts use full
+compensation however few rows each receives). The routing weight times each expert's output is
+added into an FP32 sum per token, cast to the model dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, RoutedExperts, UnquantizedFusedMoEMethod
 from vllm.model_executor.layers.linear import (
     LinearBase,
     LinearMethodBase,
@@ -34,11 +44,13 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from .. import registry
 from ..emulate import quantized_matmul
+from ..experts import ROLES
 from ..formats import dequantize
 from ..mxfp4 import ScaleRounding
 from ..qtensor import FP4Tensor
 from ..selection import mode_of
 from ._register import method_enabled
+from .moe import act_and_mul, routed_rows
 
 NAME = "resserve"
 DECODE_ROWS_ENV = "RESSERVE_DECODE_ROWS"
@@ -164,13 +176,13 @@ class ResServeConfig(QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         self.inner.packed_modules_mapping = self.packed_modules_mapping
         method = self.inner.get_quant_method(layer, prefix)
+        if isinstance(layer, RoutedExperts):
+            if method is None or isinstance(method, UnquantizedFusedMoEMethod):
+                return method
+            return moe_method(self, method, layer, prefix)
         if not isinstance(layer, LinearBase) or method is None or isinstance(method, UnquantizedLinearMethod):
             return method
-        members = self.members(prefix)
-        missing = [m for m in members if m not in self.groups]
-        if missing:
-            raise ValueError(f"resserve: {missing[0]} is quantized but has no entry in quantization_config.resserve.groups")
-        return ResServeLinearMethod(self, method, members)
+        return ResServeLinearMethod(self, method, self.members(prefix))
 
     # -- helpers ---------------------------------------------------------------------------
     def members(self, prefix: str) -> list[str]:
@@ -180,6 +192,36 @@ class ResServeConfig(QuantizationConfig):
         if not fused:
             return [prefix]
         return [f"{parent}.{m}" if parent else m for m in fused]
+
+    def check_members(self, members: list[str]) -> None:
+        missing = [m for m in members if m not in self.groups]
+        if missing:
+            raise ValueError(f"resserve: {missing[0]} is quantized but has no entry in quantization_config.resserve.groups")
+
+    def ratio(self, members: list[str]) -> float:
+        """The one ratio of a fused group's members."""
+        ratios = {float(self.groups[m]["ratio"]) for m in members}
+        if len(ratios) != 1:
+            raise ValueError(f"resserve: fused members {members} carry different ratios {sorted(ratios)}")
+        return ratios.pop()
+
+    def load_weight(self, members: list[str], ratio: float, base: FP4Tensor) -> LoadedWeight:
+        """A (fused) linear's weight for :func:`quantized_matmul`: the stored base `base` (the
+        members' rows in order) with the members' sidecar mask and K-Ext extension."""
+        side = self.sidecar
+        mask = None
+        w_ext = None
+        if ratio > 0:
+            masks = [side.get(f"{m}.resserve_mask") for m in members]
+            if any(not torch.equal(masks[0], x) for x in masks[1:]):
+                raise ValueError(f"resserve: fused members {members} carry different masks")
+            mask = masks[0]
+        if mode_of(ratio) == "k_ext":
+            f = self.format
+            codes = torch.cat([side.get(f"{m}.resserve_weight") for m in members])
+            scales = f.as_scales(torch.cat([side.get(f"{m}.resserve_weight_scale") for m in members]))
+            w_ext = dequantize(FP4Tensor(f.name, codes, scales, base.global_scale))
+        return LoadedWeight(self.fmt, ratio, self.rounding, mask, dequantize(base), w_ext)
 
     @property
     def sidecar(self) -> Sidecar:
@@ -197,10 +239,8 @@ class ResServeLinearMethod(LinearMethodBase):
         self.config = config
         self.inner = inner
         self.members = members
-        ratios = {float(config.groups[m]["ratio"]) for m in members}
-        if len(ratios) != 1:
-            raise ValueError(f"resserve: fused members {members} carry different ratios {sorted(ratios)}")
-        self.ratio = ratios.pop()
+        config.check_members(members)
+        self.ratio = config.ratio(members)
         self.mode = mode_of(self.ratio)
         self.decode_rows = decode_rows()
 
@@ -220,20 +260,7 @@ class ResServeLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer) -> None:
         base, input_alpha = self._base(layer)
-        side = self.config.sidecar
-        mask = None
-        w_ext = None
-        if self.ratio > 0:
-            masks = [side.get(f"{m}.resserve_mask") for m in self.members]
-            if any(not torch.equal(masks[0], x) for x in masks[1:]):
-                raise ValueError(f"resserve: fused members {self.members} carry different masks")
-            mask = masks[0]
-        if self.mode == "k_ext":
-            f = self.config.format
-            codes = torch.cat([side.get(f"{m}.resserve_weight") for m in self.members])
-            scales = f.as_scales(torch.cat([side.get(f"{m}.resserve_weight_scale") for m in self.members]))
-            w_ext = dequantize(FP4Tensor(f.name, codes, scales, base.global_scale))
-        layer.resserve = LoadedWeight(self.config.fmt, self.ratio, self.config.rounding, mask, dequantize(base), w_ext)
+        layer.resserve = self.config.load_weight(self.members, self.ratio, base)
         layer.resserve_input_alpha = input_alpha
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -247,3 +274,103 @@ class ResServeLinearMethod(LinearMethodBase):
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
+
+
+@dataclass
+class ExpertProjection:
+    """One expert's w13 (gate | up) or w2 (down) as :func:`quantized_matmul` reads it."""
+
+    weight: LoadedWeight
+    input_alpha: torch.Tensor | None
+    mode: str
+
+
+class ResServeMoEMethod(FusedMoEMethodBase):
+    """Stock MoE parameters and loaders; per expert, compensated emulated products at run time
+    (see the module docstring)."""
+
+    def __init__(self, config: ResServeConfig, inner: FusedMoEMethodBase, layer, prefix: str):
+        super().__init__(inner.moe)
+        self.config = config
+        self.inner = inner
+        self.prefix = prefix
+        self.decode_rows = decode_rows()
+        leaves = (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)
+        if leaves[1] is None or layer.apply_router_weight_on_input:
+            raise ValueError(f"resserve: {prefix}: only gated experts with routing weights on the output are supported")
+        if tuple(ROLES.get(leaf) for leaf in leaves) != ("gate", "up", "down"):
+            raise ValueError(f"resserve: {prefix}: expert projections {leaves} are not the gate / up / down that pack names")
+        self.leaves = leaves
+        self.num_experts = layer.global_num_experts
+        for e in range(self.num_experts):
+            for members in self.members(e):
+                config.check_members(members)
+        self.experts: list[tuple[ExpertProjection, ExpertProjection]] = []
+
+    def members(self, e: int) -> tuple[list[str], list[str]]:
+        """Checkpoint module names of expert `e`'s (w13, w2): ([gate, up], [down])."""
+        gate, up, down = (f"{self.prefix}.{e}.{leaf}" for leaf in self.leaves)
+        return [gate, up], [down]
+
+    # -- loading: the stock method's parameters -------------------------------------------------
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra):
+        self.inner.create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra)
+
+    def uses_weight_scale_2_pattern(self) -> bool:
+        return self.inner.uses_weight_scale_2_pattern()
+
+    def get_fused_moe_quant_config(self, layer):
+        return None
+
+    def process_weights_after_loading(self, layer) -> None:
+        if layer.local_num_experts != layer.global_num_experts:
+            raise ValueError(f"resserve: {self.prefix}: expert parallelism is not supported; serve without --enable-expert-parallel")
+        f = self.config.format
+        scalar = lambda t: t.float().max().reshape(())  # gate and up hold one each, equal
+        self.experts = []
+        for e in range(self.num_experts):
+            def param(name: str, e=e) -> torch.Tensor:  # "w13.<checkpoint suffix>": expert e of w13_<suffix>
+                proj, _, suffix = name.partition(".")
+                return getattr(layer, f"{proj}_{suffix}")[e].detach()
+
+            pair = []
+            for proj, members in zip(("w13", "w2"), self.members(e)):
+                base, alpha = f.read_base(param, proj, scalar=scalar)
+                ratio = self.config.ratio(members)
+                pair.append(ExpertProjection(self.config.load_weight(members, ratio, base), alpha, mode_of(ratio)))
+            self.experts.append(tuple(pair))
+
+    # -- run time ----------------------------------------------------------------------------------
+    def _product(self, proj: ExpertProjection, x: torch.Tensor, step_rows: int) -> torch.Tensor:
+        mode = proj.mode
+        if mode != "plain" and step_rows <= self.decode_rows:
+            mode = "full"
+        return quantized_matmul(x.float(), proj.weight, input_alpha=proj.input_alpha, mode=mode)
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        dt = x.dtype
+        step_rows = x.shape[0]
+        acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e, (w13, w2) in enumerate(self.experts):
+            rows, pos = routed_rows(topk_ids, e)
+            if not rows.numel():
+                continue
+            h = self._product(w13, x[rows], step_rows).to(dt)
+            y = self._product(w2, act_and_mul(layer.activation, h), step_rows).to(dt)
+            acc.index_add_(0, rows, y.float() * topk_weights[rows, pos, None].float())
+        return acc.to(dt)
+
+
+_MOE_CLASSES: dict[type, type] = {}
+
+
+def moe_method(config: ResServeConfig, inner: FusedMoEMethodBase, layer, prefix: str) -> ResServeMoEMethod:
+    """A :class:`ResServeMoEMethod` over `inner`. vLLM's MoE weight loader picks how to load a
+    scale by its method's class name ("ModelOpt…", "…Compressed…"), so the wrapper's class is
+    named after the stock method's: ``ResServe<stock class name>``."""
+    cls = _MOE_CLASSES.get(type(inner))
+    if cls is None:
+        name = f"ResServe{type(inner).__name__}"
+        cls = type(name, (ResServeMoEMethod,), {"__module__": __name__, "__qualname__": name})
+        _MOE_CLASSES[type(inner)] = cls
+    return cls(config, inner, layer, prefix)
