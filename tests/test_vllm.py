@@ -18,7 +18,13 @@ calibration, not from the checkpoint (tests/vllm_scripts/reference.py).
     driven over HTTP with urllib) on the extended checkpoint, as is and with
     ``--quantization modelopt_fp4``, names the method in its startup line, answers
     /v1/completions and /v1/chat/completions with the in-process bf16 engine's greedy token ids
-    for that method, and stops on SIGINT with all of its processes.
+    for that method, and stops on SIGINT with all of its processes;
+(f) mixture-of-experts checkpoints (tiny random Qwen3-MoE and Mixtral, built and calibrated in the
+    tests): plain NVFP4 and MXFP4 in stock vLLM (the plugin adds the CPU MoE kernels vLLM lacks)
+    and ρ = 0.25 with the resserve method (compensated experts, also in the multiprocess engine)
+    generate their references' greedy tokens and match every logprob to LOGPROB_ATOL (seen:
+    equal); the references (tests/vllm_scripts/moe_reference.py) add the engine's router
+    arithmetic and compute the experts as the plugin does.
 
 Up to the logits, the reference computes what the engine computes, bit for bit. FP4 activation
 quantization is discontinuous: a last-bit difference anywhere upstream of a quantizer can move one
@@ -448,6 +454,134 @@ def test_nvfp4_kv_declaration_and_names_pass_vllm_parsing(env):
             layer = name.split(".self_attn.")[0]
             assert target == f"{layer}.self_attn.attn.{name[-7:]}", (name, target)
         assert all(a == b > 0 for a, b in got["loaded"].values())
+
+
+# -- Mixture-of-experts checkpoints --------------------------------------------------------------
+
+MOE_ARCHS = ["qwen3_moe", "mixtral"]
+# The MoE kernels each run path takes, as the engine log names them.
+MOE_KERNELS = {"nvfp4": "CpuNvFp4Experts", "mxfp4": "CpuMxfp4Experts"}
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """Prompts and held-out windows (the default model's tokenizer, which the tiny MoE models
+    share); tiny random Qwen3-MoE and Mixtral models are built on first use."""
+    torch.set_num_threads(2)
+    from resserve_export import modelio
+
+    tok = modelio.load_tokenizer(C.model_dir())
+    return {
+        "work": tmp_path_factory.mktemp("vllm-moe"), "md": C.model_dir(), "runs": {}, "refs": {}, "models": {},
+        "prompts": [tok(p)["input_ids"] for p in C.PROMPTS],
+        "windows": C.token_windows(tok, C.texts_dir() / C.EVAL_FILE, 4, 128, start=1000),
+    }
+
+
+def tiny_moe(moe, arch: str) -> tuple[Path, Path]:
+    """(model, calibration) of a random 2-layer `arch` MoE model (seed 0) with the default model's
+    tokenizer, calibrated by `calibrate` itself (no scores; every expert on every token). The
+    shapes of tests/test_moe.py's models, with head dim 64 (vLLM's CPU attention takes head dims
+    from 32 up) and weights drawn 12.5 times wider than transformers' default, so that the
+    next-token distribution is far from uniform and logprobs tell arithmetics apart."""
+    import transformers as T
+
+    from resserve_export import api
+
+    if arch not in moe["models"]:
+        path, calib = moe["work"] / f"tiny-{arch}", moe["work"] / f"tiny-{arch}-calib"
+        tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    vocab_size=49152, max_position_embeddings=512, initializer_range=0.25)
+        torch.manual_seed(0)
+        if arch == "qwen3_moe":
+            model = T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(**tiny, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                                                           num_experts_per_tok=2))
+        else:
+            model = T.MixtralForCausalLM(T.MixtralConfig(**tiny, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2))
+        model.to(torch.bfloat16).save_pretrained(path)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (path / f).write_bytes((moe["md"] / f).read_bytes())
+        api.calibrate(str(path), calib, config="quick", num_samples=8, seq_len=128, scores="none", device="cpu", progress=False)
+        moe["models"][arch] = (path, calib)
+    return moe["models"][arch]
+
+
+def moe_ckpt(moe, arch: str, fmt: str, ratio: float) -> Path:
+    md, calib = tiny_moe(moe, arch)
+    return C.pack(md, calib, moe["work"] / f"{arch}-{fmt}-r{ratio}", fmt, ratio)
+
+
+def moe_engine(moe, arch: str, fmt: str, ratio: float, method: str) -> dict:
+    """The engine (fp32) on a tiny MoE checkpoint, `method` "stock" or "resserve": greedy tokens
+    of the prompts, prompt and held-out logprobs, and its log."""
+    name = f"{arch}-{fmt}-r{ratio}-{method}"
+    path = moe_ckpt(moe, arch, fmt, ratio)
+    run = engine(moe, name, path, STOCK if method == "stock" else PLUGIN, stock_fp32=method == "stock" and fmt == "nvfp4", score=True)
+    run["log"] = (moe["work"] / f"{name}.log").read_text(errors="replace")
+    return run
+
+
+def moe_reference(moe, arch: str, fmt: str, ratio: float, arithmetic: str):
+    key = (arch, fmt, ratio, arithmetic)
+    if key not in moe["refs"]:
+        md, calib = tiny_moe(moe, arch)
+        moe["refs"][key] = C.moe_reference(md, calib, fmt, ratio, arithmetic=arithmetic, decode_rows=DECODE_ROWS)
+    return moe["refs"][key]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_plain_checkpoint_in_stock_vllm(moe, arch, fmt):
+    """A plain (ρ = 0) MoE checkpoint in vLLM's own ModelOpt / compressed-tensors method, with the
+    plugin's CPU MoE kernel (vLLM's CPU platform has no FP4 MoE path): the reference's 32 greedy
+    tokens, every prompt and held-out logprob. The reference quantizes as stock vLLM does, with one
+    activation scale per layer and GEMM (the largest expert's) for NVFP4."""
+    run = moe_engine(moe, arch, fmt, 0.0, "stock")
+    assert run["quantization"] == ("modelopt_fp4_admit_fp32" if fmt == "nvfp4" else "compressed-tensors")
+    assert f"Using {MOE_KERNELS[fmt]} for FP4 MoE on the CPU" in run["log"]
+    ref = moe_reference(moe, arch, fmt, 0.0, "vllm")
+    label = f"{arch} {fmt.upper()} plain, stock vLLM"
+    check_tokens(run, [C.greedy(ref, p, 32) for p in moe["prompts"]], label)
+    check_scores(moe, run, ref, label)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_resserve_method_serves_compensated_experts(moe, arch, fmt):
+    """An extended MoE checkpoint (ρ = 0.25: per-expert masks and K-Ext extensions in the sidecar)
+    with the resserve method: each expert computes the compensated product over its routed rows
+    (K-Ext in the prefill, full compensation in decode steps), generating the compensated
+    reference's 32 greedy tokens and matching every prompt and held-out logprob; those logprobs
+    differ from plain W4A4's (stock vLLM on the same checkpoint) beyond the tolerance."""
+    path = moe_ckpt(moe, arch, fmt, 0.25)
+    side = json.loads((path / "resserve.safetensors.index.json").read_text())["weight_map"]
+    assert any(".experts.3." in k and k.endswith(".resserve_weight") for k in side)
+    run = moe_engine(moe, arch, fmt, 0.25, "resserve")
+    assert run["quantization"] == "resserve"
+    assert min(len(p) for p in moe["prompts"]) > DECODE_ROWS
+    ref = moe_reference(moe, arch, fmt, 0.25, "fp32")
+    label = f"{arch} {fmt.upper()} rho=0.25, resserve method"
+    check_tokens(run, [C.greedy(ref, p, 32) for p in moe["prompts"]], label)
+    check_scores(moe, run, ref, label)
+    # Stock vLLM ignores the sidecar: the extended checkpoint is the plain one, bit for bit.
+    plain = moe_engine(moe, arch, fmt, 0.25, "stock")
+    assert plain["quantization"] != "resserve"
+    packed_plain = moe_engine(moe, arch, fmt, 0.0, "stock")
+    assert plain["generate"] == packed_plain["generate"] and plain["score"] == packed_plain["score"]
+    diff = max(max(abs(a - b) for a, b in zip(x["actual"], y["actual"])) for x, y in zip(run["score"], plain["score"]))
+    print(f"{label}: largest |logprob diff| against plain W4A4 {diff:.2e}")
+    assert diff > 10 * LOGPROB_ATOL
+
+
+def test_moe_resserve_method_in_the_multiprocess_engine(moe):
+    """The engine core in its own process (the plugin, MoE kernels and method included, found
+    through the entry point alone) generates the in-process engine's tokens for an extended MoE
+    checkpoint."""
+    single = moe_engine(moe, "qwen3_moe", "nvfp4", 0.25, "resserve")
+    path = moe_ckpt(moe, "qwen3_moe", "nvfp4", 0.25)
+    multi = engine(moe, "qwen3_moe-nvfp4-r0.25-resserve-mp", path, {**PLUGIN, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    assert multi["quantization"] == "resserve"
+    assert multi["generate"] == single["generate"]
 
 
 # -- The OpenAI-compatible server (what users run), over HTTP --------------------------------------

@@ -163,6 +163,21 @@ def reference(
     )
 
 
+def moe_reference(model_dir_: Path, calib: Path, fmt: str, ratio: float, *, arithmetic: str, decode_rows: int | None):
+    """FP32 reference of a mixture-of-experts model in the CPU engine: `reference` with the CPU
+    engine's attention, and its routers and experts as vLLM and the plugin compute them
+    (tests/vllm_scripts/moe_reference.py)."""
+    from moe_reference import emulate_experts
+    from reference import emulate_model, load_salience
+
+    from resserve_export import modelio
+
+    model = modelio.load_model(model_dir_, dtype="float32")
+    salience = load_salience(calib)
+    emulate_model(model, salience, fmt, ratio, arithmetic=arithmetic, decode_rows=decode_rows, attention="vllm-cpu")
+    return emulate_experts(model, model_dir_, salience, fmt, ratio, arithmetic=arithmetic, decode_rows=decode_rows)
+
+
 @torch.no_grad()
 def greedy(model, ids: list[int], n: int = 32) -> list[int]:
     """Greedy continuation with a KV cache: one prefill of the prompt, then one row per step."""

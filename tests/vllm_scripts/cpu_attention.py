@@ -157,15 +157,18 @@ class CpuEngineAttention(nn.Module):
     """An HF Llama-style self-attention block whose rotary embedding and attention follow vLLM's
     CPU kernels (above); projections, KV cache and everything else are the wrapped module's.
     Batch size 1, causal, no padding. ``kv_scales = (k_scale, v_scale)`` (FP32 0-d): the engine's
-    FP8 KV cache with those scales (None: an unquantized cache)."""
+    FP8 KV cache with those scales (None: an unquantized cache). Per-head q/k RMSNorms (Qwen3's)
+    are the wrapped module's own, applied per head before the rotary embedding as vLLM does; its
+    RMSNorm computes what the HF one computes."""
 
     kv_scales = None
 
     def __init__(self, attn: nn.Module):
         super().__init__()
-        if any(hasattr(attn, n) for n in ("q_norm", "k_norm")):
-            raise ValueError("per-head q/k norms are not modelled")
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise ValueError("a q norm without a k norm (or the reverse) is not modelled")
         self.head_dim, self.layer_idx, self.scaling = attn.head_dim, attn.layer_idx, float(attn.scaling)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, past_key_values=None, **kwargs):
@@ -174,8 +177,11 @@ class CpuEngineAttention(nn.Module):
         cache = cache if cache is not None else past_key_values
         t = hidden_states.shape[1]
         shape = (1, t, -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        q = self.q_proj(hidden_states).view(shape)
+        k = self.k_proj(hidden_states).view(shape)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
         cos, sin = position_embeddings  # [1, T, D], the two halves equal
         half = self.head_dim // 2
