@@ -30,6 +30,7 @@ from resserve_export.size import estimate
 
 from test_calibrate import add_tokenizer, varied_texts, write_jsonl
 from test_exit_codes import assert_one_line_error, leftovers, run
+from test_pack import _source, _topk_mask_bool, assert_loaders_decode
 from test_size import _written
 
 torch.set_num_threads(2)
@@ -86,14 +87,6 @@ def _calibrated(moe, arch: str, mode: str = "routed") -> Path:
     if key not in moe["calib"]:
         moe["calib"][key] = cal.calibrate(str(moe["models"][arch]), moe["root"] / f"calib-{arch}-{mode}", _config(moe, mode), show_progress=False).path
     return moe["calib"][key]
-
-
-def _source(model: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in modelio.weight_files(model):
-        with safe_open(str(f), "pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
 
 
 ARCHS = ["qwen3_moe", "mixtral", "deepseek_v3"]
@@ -260,15 +253,6 @@ def test_qwen2_moe_shared_expert_and_its_gate(moe, tmp_path):
     assert "model.layers.1.mlp.shared_expert.down_proj" in packed and "model.layers.1.mlp.experts.3.down_proj" in packed
 
 
-def _topk_mask_bool(mean_abs: torch.Tensor, k: int) -> torch.Tensor:
-    sel = torch.zeros(mean_abs.numel(), dtype=torch.bool)
-    vals = mean_abs.tolist()
-    for g0 in range(0, len(vals), 8):
-        for i in sorted(range(8), key=lambda i: (-vals[g0 + i], i))[:k]:
-            sel[g0 + i] = True
-    return sel
-
-
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_pack_quantizes_every_expert_as_the_reference(moe, arch, fmt, tmp_path):
@@ -318,26 +302,8 @@ def test_pack_quantizes_every_expert_as_the_reference(moe, arch, fmt, tmp_path):
 
 def test_loaders_decode_expert_tensors(moe, tmp_path):
     """ModelOpt's NVFP4 and compressed-tensors' MXFP4 decoders read an expert's tensors as ours."""
-    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
-    from compressed_tensors.quantization import QuantizationConfig
-    from modelopt.torch.quantization.qtensor import NVFP4QTensor
-
     model, calib = moe["models"]["qwen3_moe"], _calibrated(moe, "qwen3_moe")
-    nv = read_checkpoint(pack(model, calib, tmp_path / "nv", "nvfp4", ratio=0.25, progress=False).out)
-    mx_out = pack(model, calib, tmp_path / "mx", "mxfp4", ratio=0.25, progress=False).out
-    mx = read_checkpoint(mx_out)
-    qc = json.loads((mx_out / "config.json").read_text())["quantization_config"]
-    qc.pop("resserve")
-    scheme = QuantizationConfig.model_validate(qc).config_groups["group_0"]
-    for m in ("model.layers.1.mlp.experts.5.up_proj", "model.layers.0.mlp.experts.2.down_proj"):
-        for q in (nv[m].base, nv[m].ext):
-            theirs = NVFP4QTensor(torch.Size(q.shape), torch.float32, q.codes).dequantize(
-                dtype=torch.float32, scale=q.scales, double_scale=q.global_scale, block_sizes={-1: 16}
-            )
-            assert torch.equal(q.dequantize(), theirs)
-        for q in (mx[m].base, mx[m].ext):
-            dec = MXFP4PackedCompressor.decompress({"weight_packed": q.codes, "weight_scale": q.scales}, scheme)
-            assert torch.equal(dec["weight"].float(), q.dequantize())
+    assert_loaders_decode(model, calib, tmp_path, ["model.layers.1.mlp.experts.5.up_proj", "model.layers.0.mlp.experts.2.down_proj"])
 
 
 @pytest.mark.parametrize("fmt,ratio", [("nvfp4", 0.25), ("mxfp4", 0.125), ("nvfp4", 0.0)])

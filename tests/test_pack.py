@@ -115,29 +115,33 @@ def test_fused_members_share_scales_with_different_amax(tiny, tmp_path):
     assert float(ws2[0]) == float(torch.stack(amax).max() / 2688.0)
 
 
-def test_modelopt_and_compressed_tensors_decode_our_tensors(tiny, tmp_path):
+def assert_loaders_decode(model: Path, calib: Path, tmp_path: Path, modules: list[str]) -> None:
+    """Pack `model` in NVFP4 and MXFP4 (ρ = 0.25): ModelOpt's NVFP4 and compressed-tensors' MXFP4
+    decoders read the base and extension tensors of `modules` as ours, bit for bit."""
     from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
     from compressed_tensors.quantization import QuantizationConfig
     from modelopt.torch.quantization.qtensor import NVFP4QTensor
 
-    model, calib = tiny
     nv = read_checkpoint(pack(model, calib, tmp_path / "nv", "nvfp4", ratio=0.25, progress=False).out)
     mx_out = pack(model, calib, tmp_path / "mx", "mxfp4", ratio=0.25, progress=False).out
     mx = read_checkpoint(mx_out)
     qc = json.loads((mx_out / "config.json").read_text())["quantization_config"]
     qc.pop("resserve")
     scheme = QuantizationConfig.model_validate(qc).config_groups["group_0"]
-    m = "model.layers.1.mlp.down_proj"
-    p = nv[m]
-    for q in (p.base, p.ext):
-        ours = q.dequantize()
-        theirs = NVFP4QTensor(torch.Size(q.shape), torch.float32, q.codes).dequantize(
-            dtype=torch.float32, scale=q.scales, double_scale=q.global_scale, block_sizes={-1: 16}
-        )
-        assert torch.equal(ours, theirs)
-    for q in (mx[m].base, mx[m].ext):
-        dec = MXFP4PackedCompressor.decompress({"weight_packed": q.codes, "weight_scale": q.scales}, scheme)
-        assert torch.equal(dec["weight"].float(), q.dequantize())
+    for m in modules:
+        for q in (nv[m].base, nv[m].ext):
+            theirs = NVFP4QTensor(torch.Size(q.shape), torch.float32, q.codes).dequantize(
+                dtype=torch.float32, scale=q.scales, double_scale=q.global_scale, block_sizes={-1: 16}
+            )
+            assert torch.equal(q.dequantize(), theirs)
+        for q in (mx[m].base, mx[m].ext):
+            dec = MXFP4PackedCompressor.decompress({"weight_packed": q.codes, "weight_scale": q.scales}, scheme)
+            assert torch.equal(dec["weight"].float(), q.dequantize())
+
+
+def test_modelopt_and_compressed_tensors_decode_our_tensors(tiny, tmp_path):
+    model, calib = tiny
+    assert_loaders_decode(model, calib, tmp_path, ["model.layers.1.mlp.down_proj"])
 
 
 def test_quantization_configs_match_what_loaders_expect(tiny, tmp_path):
