@@ -321,11 +321,21 @@ class ExpertCollector:
                 out = unsorted.view(T, k, -1).sum(1).to(hidden_states.dtype)  # a fixed order: deterministic
 
                 keep = valid[token]
-                acc["routed"] += torch.zeros(E, dtype=torch.int64, device=dev).index_add_(0, ids_sorted, keep.long())
+                routed = torch.zeros(E, dtype=torch.int64, device=dev).index_add_(0, ids_sorted, keep.long())
+                acc["routed"] += routed
                 if self.mode == "routed":
-                    _segment_stats(xs, keep, lengths, acc["sum_in"], acc["amax_in"])
+                    # gate/up read the token rows themselves: Σ|x| per expert is one product of the
+                    # (valid) routing matrix with |x|, in float64 (exact for bf16 / fp16 inputs)
+                    r = torch.zeros(T, E, dtype=torch.float64, device=dev)
+                    r.scatter_(1, top_k_index, 1.0)
+                    r *= valid[:, None]
+                    a = hidden_states.abs()
+                    acc["sum_in"] += r.t() @ a.to(torch.float64)
+                    row_max = a.amax(1).float() * valid
+                    peak = torch.zeros(E, dtype=torch.float32, device=dev).scatter_reduce_(0, ids, row_max.repeat_interleave(k), "amax")
+                    acc["amax_in"].copy_(torch.maximum(acc["amax_in"], peak))
                     _segment_stats(h, keep, lengths, acc["sum_mid"], acc["amax_mid"])
-                    acc["rows"] += torch.zeros(E, dtype=torch.int64, device=dev).index_add_(0, ids_sorted, keep.long())
+                    acc["rows"] += routed
                 else:
                     # every expert on every valid token, for its statistics only
                     everyone = hidden_states[valid]
