@@ -231,7 +231,7 @@ def _install(mod, forward) -> tuple[str, object]:
     execution device, then calls ``_old_forward``, which is what gets replaced."""
     name = "_old_forward" if hasattr(mod, "_hf_hook") and "_old_forward" in mod.__dict__ else "forward"
     previous = mod.__dict__.get(name)
-    setattr(mod, name, forward) if name == "_old_forward" else mod.__dict__.__setitem__(name, forward)
+    mod.__dict__[name] = forward
     return name, previous
 
 
