@@ -112,23 +112,23 @@ def test_fused_parameters_are_the_checkpoint_experts(moe, arch):
             assert torch.equal(mod.down_proj[e], src[blk.module(e, "down") + ".weight"])
 
 
-def _oracle(moe, arch: str, mode: str) -> tuple[dict, dict, int]:
-    """Per-expert statistics from transformers' own experts forward (unmodified), in float64:
-    ``{module: (Σ|x|, amax, rows)}``, routed-token counts per block, and valid tokens."""
+def _oracle(moe, arch: str, mode: str, device: str = "cpu") -> tuple[dict, dict, int]:
+    """Per-expert statistics from transformers' own experts forward (unmodified) on `device`, in
+    float64: ``{module: (Σ|x|, amax, rows)}``, routed-token counts per block, and valid tokens."""
     model = moe["models"][arch]
     cfg = _config(moe, mode)
     tok = modelio.load_tokenizer(model)
     samples = data.make_samples(tok, data.load_documents(cfg.dataset), cfg.num_samples, cfg.seq_len, cfg.seed)
     batches = data.batches(samples, cfg.batch_size, data.pad_id(tok))
-    net = modelio.load_model(model)  # transformers' default (grouped) experts, as calibration computes them
+    net = modelio.load_model(model).to(device)  # transformers' default (grouped) experts, as calibration computes them
     blocks = expert_blocks(modelio.tensor_shapes(model))
-    src = {k: v.double() for k, v in _source(model).items()}
+    src = {k: v.to(device, torch.float64) for k, v in _source(model).items()}
     sums: dict = {}
     counts = {b.prefix: [0] * b.num_experts for b in blocks}
     state = {}
 
     def add(name, x):
-        s, m, n = sums.get(name, (0.0, torch.zeros(()), 0))
+        s, m, n = sums.get(name, (0.0, torch.zeros((), device=x.device), 0))
         sums[name] = (s + x.abs().sum(0), torch.maximum(m, x.abs().max() if len(x) else torch.zeros(())), n + len(x))
 
     def hook_for(b):
@@ -152,18 +152,34 @@ def _oracle(moe, arch: str, mode: str) -> tuple[dict, dict, int]:
         for bt in batches:
             state["valid"] = bt["attention_mask"].reshape(-1).bool()
             tokens += int(state["valid"].sum())
-            net(input_ids=bt["input_ids"], attention_mask=bt["attention_mask"], use_cache=False)
+            state["valid"] = state["valid"].to(device)
+            net(input_ids=bt["input_ids"].to(device), attention_mask=bt["attention_mask"].to(device), use_cache=False)
     for h in handles:
         h.remove()
-    return sums, counts, tokens
+    return {k: (s.cpu(), m.cpu(), n) for k, (s, m, n) in sums.items()}, counts, tokens
 
 
 @pytest.mark.parametrize("mode", ["routed", "all"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_expert_is_calibrated_on_its_tokens(moe, arch, mode):
-    calib = _calibrated(moe, arch, mode)
+    _check_expert_statistics(moe, arch, mode, _calibrated(moe, arch, mode), "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (calibrate --device cuda)")
+@pytest.mark.parametrize("mode", ["routed", "all"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_expert_is_calibrated_on_its_tokens_on_cuda(moe, arch, mode, tmp_path):
+    """The grouped collector on the GPU (torch's grouped GEMM): the model's routing unchanged (the
+    counts equal those of transformers' own forward on the same GPU), statistics as the oracle's."""
+    cfg = cal.make_config("quick", dataset=str(moe["texts"]), num_samples=7, seq_len=48, batch_size=3, device="cuda", scores="none", moe_calib=mode)
+    calib = cal.calibrate(str(moe["models"][arch]), tmp_path / "calib", cfg, show_progress=False).path
+    _check_expert_statistics(moe, arch, mode, calib, "cuda")
+
+
+def _check_expert_statistics(moe, arch: str, mode: str, calib: Path, device: str) -> None:
     rec = json.loads((calib / "calibration.json").read_text())
-    sums, counts, tokens = _oracle(moe, arch, mode)
+    sums, counts, tokens = _oracle(moe, arch, mode, device)
     assert rec["num_tokens"] == tokens and rec["moe"]["calib"] == mode
     blocks = rec["moe"]["blocks"]
     assert {p: b["routed_tokens"] for p, b in blocks.items()} == counts
@@ -193,13 +209,17 @@ def test_every_expert_is_calibrated_on_its_tokens(moe, arch, mode):
     assert all(f"{m}.mean_abs" in stats for g in groups for m in g)
 
 
+_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_the_collector_keeps_the_models_output(moe, arch):
+def test_the_collector_keeps_the_models_output(moe, arch, device):
     """With the hooks installed the model computes what transformers' default experts compute."""
     model = moe["models"][arch]
-    net = modelio.load_model(model)
+    net = modelio.load_model(model).to(device)
     assert net.config._experts_implementation == "grouped_mm"
-    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 49152, (2, 24), generator=torch.Generator().manual_seed(0)).to(device)
     mask = torch.ones_like(ids)
     mask[1, 20:] = 0
     with torch.inference_mode():
@@ -298,6 +318,19 @@ def test_pack_quantizes_every_expert_as_the_reference(moe, arch, fmt, tmp_path):
     from resserve_export.groups import group_linears, linears_from_shapes
 
     assert sorted(packed) == sorted(m for g in group_linears(linears_from_shapes(shapes)) for m in g.modules)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pack --device cuda)")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_cuda_pack_of_experts_writes_the_cpu_bytes(moe, fmt, tmp_path):
+    model, calib = moe["models"]["deepseek_v3"], _calibrated(moe, "deepseek_v3")
+    cpu = pack(model, calib, tmp_path / "cpu", fmt, ratio=0.25, progress=False).out
+    gpu = pack(model, calib, tmp_path / "gpu", fmt, ratio=0.25, device="cuda", progress=False).out
+    names = sorted(p.name for p in cpu.iterdir())
+    assert names == sorted(p.name for p in gpu.iterdir()) and any(n.endswith(".safetensors") for n in names)
+    for n in names:
+        assert (cpu / n).read_bytes() == (gpu / n).read_bytes(), n
 
 
 def test_loaders_decode_expert_tensors(moe, tmp_path):
@@ -446,13 +479,14 @@ def test_token_weighted_costs():
         decision_units(groups, "each", "bits", cal_rec)
 
 
+@pytest.mark.parametrize("device", ["cpu", _CUDA])
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
-def test_verify_measures_every_expert(moe, arch, tmp_path):
+def test_verify_measures_every_expert(moe, arch, device, tmp_path):
     from resserve_export import api
 
     model, calib = moe["models"][arch], _calibrated(moe, arch)
     ck = pack(model, calib, tmp_path / "ck", "nvfp4", ratio=0.25, progress=False).out
-    rep = api.verify(ck, str(model), calib=calib, text=str(moe["texts"]), samples=6, seq_len=48, device="cpu", out=tmp_path / "v").report
+    rep = api.verify(ck, str(model), calib=calib, text=str(moe["texts"]), samples=6, seq_len=48, device=device, out=tmp_path / "v").report
     assert rep["weights_match_reference"] is True
     blocks = expert_blocks(modelio.tensor_shapes(model))
     rows = {r["module"]: r for r in rep["layers"]}
