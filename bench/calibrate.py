@@ -248,8 +248,13 @@ def bench_moe(args) -> dict:
         shape = dict(shape, hidden_size=64, moe_intermediate_size=32, num_experts=8, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)
     dev = torch.device(args.device)
     torch.manual_seed(0)
-    with torch.device(dev):
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape)).to(torch.bfloat16).eval()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: the 30b shape in float32 would not fit one GPU
+    try:
+        with torch.device(dev):
+            model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape)).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
     from resserve_export.size import shapes_from_config
 
     blocks = expert_blocks(shapes_from_config(dict(model.config.to_dict(), model_type="qwen3_moe")))  # the checkpoint's expert names
