@@ -180,6 +180,39 @@ def _fused(model, blocks: list[ExpertBlock]) -> dict[str, tuple[str, object]]:
     return out
 
 
+def checkpoint_parameters(model, blocks: list[ExpertBlock]) -> dict[str, object]:
+    """The loaded model's parameters under the checkpoint's tensor names, as tensors sharing their
+    storage (writing into one changes the model): every parameter under its own name; each
+    expert's projection (``…experts.E.gate_proj.weight``) as its slice of the fused
+    ``gate_up_proj`` / ``down_proj`` (or, while `unfused` is mounted, as the per-expert linear's
+    weight, itself such a slice); and the block's other tensors (routers, shared experts) also under
+    the checkpoint's block path where the model's differs (Mixtral: ``block_sparse_moe`` on disk,
+    ``mlp`` loaded)."""
+    named = {n: p.detach() for n, p in model.named_parameters()}
+    out = dict(named)
+    if not blocks:
+        return out
+    mods = dict(model.named_modules())
+    mounted = {b.prefix: getattr(mods.get(b.prefix), "fused_path", None) for b in blocks}
+    fused = _fused(model, [b for b in blocks if mounted[b.prefix] is None]) if None in mounted.values() else {}
+    for b in blocks:
+        if b.prefix in fused:
+            path, mod = fused[b.prefix]
+            gu, dn, I = mod.gate_up_proj.detach(), mod.down_proj.detach(), b.intermediate
+            for e in range(b.num_experts):
+                out[f"{b.module(e, 'gate')}.weight"] = gu[e, :I]
+                out[f"{b.module(e, 'up')}.weight"] = gu[e, I:]
+                out[f"{b.module(e, 'down')}.weight"] = dn[e]
+        else:
+            path = mounted[b.prefix]
+        model_parent, ckpt_parent = path.rpartition(".")[0], b.prefix.rpartition(".")[0]
+        if model_parent != ckpt_parent:
+            for n, t in named.items():
+                if n.startswith(model_parent + ".") and not n.startswith(path + "."):
+                    out[ckpt_parent + n[len(model_parent) :]] = t
+    return out
+
+
 # Rows of sorted (token, expert) pairs reduced at a time into per-expert statistics (bounds the
 # float32 temporaries: 65,536 rows of a 4,096-wide input are 1 GiB).
 STATS_ROWS = 1 << 16
@@ -204,12 +237,22 @@ def _grouped_mm(x, w, offs):
     return torch.cat(out)
 
 
-def _segment_stats(rows, weight, lengths: list[int], acc_sum, acc_amax) -> None:
-    """Add Σ|row|·weight (float32 per segment, into float64 ``acc_sum`` [E, K]) and fold
-    max|row|·weight into ``acc_amax`` [E], for consecutive segments of ``lengths`` rows (one per
-    expert). ``weight``: 1 for a valid token's row, 0 for padding."""
+def _segment_stats(rows, weight, lengths, acc_sum, acc_amax) -> None:
+    """Add Σ|row|·weight (into float64 ``acc_sum`` [E, K]) and fold max|row|·weight into
+    ``acc_amax`` [E], for consecutive segments of rows, one per expert: ``lengths`` (a list, or
+    the per-expert row counts as a tensor). ``weight``: 1 for a valid token's row, 0 for padding.
+
+    On a GPU the sums are one float64 product of the (weighted) one-hot segment matrix with
+    |rows| per chunk of rows: deterministic and exact for bf16 / fp16 rows, where
+    ``torch.segment_reduce`` runs a serial loop per column. On the CPU each segment is reduced in
+    float32 (``segment_reduce``), which is the faster there."""
     import torch
 
+    if rows.device.type != "cpu":
+        _segment_stats_gemm(rows, weight, lengths, acc_sum, acc_amax)
+        return
+    if torch.is_tensor(lengths):
+        lengths = lengths.tolist()
     acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
     e0, r0 = 0, 0
     while e0 < len(lengths):
@@ -223,6 +266,23 @@ def _segment_stats(rows, weight, lengths: list[int], acc_sum, acc_amax) -> None:
         peak = torch.segment_reduce(a.amax(1) if a.shape[0] else a.new_zeros(0), "max", lengths=lens, initial=0)
         acc_amax[e0:e1] = torch.maximum(acc_amax[e0:e1], peak.float())
         e0, r0 = e1, r1
+
+
+def _segment_stats_gemm(rows, weight, lengths, acc_sum, acc_amax) -> None:
+    import torch
+
+    E, dev = acc_sum.shape[0], rows.device
+    counts = lengths if torch.is_tensor(lengths) else torch.tensor(lengths)
+    owner = torch.repeat_interleave(torch.arange(E, device=dev), counts.to(dev), output_size=rows.shape[0])
+    for r0 in range(0, rows.shape[0], STATS_ROWS):
+        r1 = min(r0 + STATS_ROWS, rows.shape[0])
+        a = rows[r0:r1].abs()
+        w = weight[r0:r1].to(torch.float64)
+        onehot = torch.zeros(E, r1 - r0, dtype=torch.float64, device=dev)
+        onehot[owner[r0:r1], torch.arange(r1 - r0, device=dev)] = w
+        acc_sum += onehot @ a.to(torch.float64)
+        peak = torch.zeros(E, dtype=torch.float32, device=dev).scatter_reduce_(0, owner[r0:r1], a.amax(1).float() * w.float(), "amax")
+        acc_amax.copy_(torch.maximum(acc_amax, peak))
 
 
 def _install(mod, forward) -> tuple[str, object]:
@@ -310,7 +370,6 @@ class ExpertCollector:
                 ids_sorted, perm = torch.sort(ids, stable=True)
                 token = perm // k
                 counts = torch.bincount(ids, minlength=E)
-                lengths = counts.tolist()
                 offs = counts.cumsum(0).to(torch.int32)
                 xs = hidden_states[token]
                 gate, up = _grouped_mm(xs, mod.gate_up_proj, offs).chunk(2, dim=-1)
@@ -334,7 +393,7 @@ class ExpertCollector:
                     row_max = a.amax(1).float() * valid
                     peak = torch.zeros(E, dtype=torch.float32, device=dev).scatter_reduce_(0, ids, row_max.repeat_interleave(k), "amax")
                     acc["amax_in"].copy_(torch.maximum(acc["amax_in"], peak))
-                    _segment_stats(h, keep, lengths, acc["sum_mid"], acc["amax_mid"])
+                    _segment_stats(h, keep, counts, acc["sum_mid"], acc["amax_mid"])
                     acc["rows"] += routed
                 else:
                     # every expert on every valid token, for its statistics only
@@ -466,10 +525,11 @@ class _Call:
 
 class Unfused:
     """`unfused`'s handle: :meth:`set_mask` before a forward pass whose expert inputs are
-    captured, :meth:`clear` after."""
+    captured, :meth:`clear` after; `blocks`: the expert blocks it mounted."""
 
-    def __init__(self, modules: list):
+    def __init__(self, modules: list, blocks: list[ExpertBlock]):
         self.modules = modules
+        self.blocks = blocks
 
     def set_mask(self, attention_mask) -> None:
         valid = attention_mask.detach().reshape(-1).to("cpu").bool()
@@ -500,6 +560,7 @@ def unfused(model, blocks: list[ExpertBlock]):
                     "memory; use --scores none, or a device that holds the model"
                 )
             u = _unfused_module(fused, b)
+            u.fused_path = name  # where the fused module sits (`checkpoint_parameters` maps the block's other tensors)
             mounted.append(u)
             parent_path, _, leaf = name.rpartition(".")
             parent = model.get_submodule(parent_path)
@@ -520,12 +581,13 @@ def unfused(model, blocks: list[ExpertBlock]):
             del parent._modules[leaf]
             object.__setattr__(parent, leaf, _Call(u))
             undo.append(lambda p=parent, lf=leaf, m=fused: (object.__delattr__(p, lf), p.add_module(lf, m)))
-        yield Unfused(mounted)
+        yield Unfused(mounted, list(blocks))
     finally:
         for f in reversed(undo):
             f()
 
 
 __all__ = [
-    "ExpertBlock", "ExpertCollector", "MOE_CALIB", "ROLES", "Unfused", "expert_blocks", "expert_parts", "fused_modules", "is_expert", "routers", "unfused",
+    "ExpertBlock", "ExpertCollector", "MOE_CALIB", "ROLES", "Unfused", "checkpoint_parameters", "expert_blocks", "expert_parts", "fused_modules",
+    "is_expert", "routers", "unfused",
 ]

@@ -605,3 +605,33 @@ def test_the_collector_runs_under_accelerate_offloading(moe):
     assert all(torch.equal(got[m]["mean_abs"], ref[m]["mean_abs"]) and torch.equal(got[m]["amax"], ref[m]["amax"]) for m in ref)
     with torch.inference_mode():
         assert torch.equal(net(input_ids=ids, attention_mask=mask, use_cache=False).logits, ref_logits)
+
+
+def test_gpu_segment_statistics_equal_the_cpu_reduction():
+    """The GPU's segment statistics (a float64 one-hot product per chunk of rows) equal the CPU's
+    per-segment reduction: the same amax, sums within float32 accumulation (run here on the CPU,
+    with chunks smaller than a segment and empty and all-padding segments)."""
+    from resserve_export import experts
+
+    g = torch.Generator().manual_seed(3)
+    lengths = [5, 0, 37, 1, 0, 64, 9]
+    rows = (torch.randn(sum(lengths), 24, generator=g) * 3).to(torch.bfloat16)
+    weight = (torch.rand(len(rows), generator=g) > 0.2).float()
+    weight[5 + 37 : 5 + 37 + 1] = 0  # an expert whose only row is padding
+    want_sum, want_max = torch.zeros(len(lengths), 24, dtype=torch.float64), torch.zeros(len(lengths))
+    experts._segment_stats(rows, weight, lengths, want_sum, want_max)
+    got_sum, got_max = torch.zeros_like(want_sum), torch.zeros_like(want_max)
+    old = experts.STATS_ROWS
+    try:
+        experts.STATS_ROWS = 16
+        experts._segment_stats_gemm(rows, weight, torch.tensor(lengths), got_sum, got_max)
+    finally:
+        experts.STATS_ROWS = old
+    exact = torch.zeros_like(want_sum)
+    r0 = 0
+    for e, n in enumerate(lengths):
+        exact[e] = (rows[r0 : r0 + n].double().abs() * weight[r0 : r0 + n, None].double()).sum(0)
+        r0 += n
+    assert torch.equal(got_max, want_max) and want_max[3] == 0 and want_max[1] == 0
+    torch.testing.assert_close(got_sum, exact, rtol=1e-12, atol=0)
+    torch.testing.assert_close(want_sum, exact, rtol=1e-6, atol=0)
