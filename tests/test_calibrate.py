@@ -7,6 +7,7 @@ texts are small generated JSONL files, so every test runs in seconds on a CPU.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -27,6 +28,10 @@ WORDS = (
 
 
 def tokenizer_dir() -> Path:
+    """The SmolLM2 tokenizer: from the embedded default model, or ``$RESSERVE_TEST_TOKENIZER`` (a
+    folder with its tokenizer files, for a machine without the default model's package)."""
+    if os.environ.get("RESSERVE_TEST_TOKENIZER"):
+        return Path(os.environ["RESSERVE_TEST_TOKENIZER"])
     return modelio.resolve_model(str(modelio.default_model()))
 
 
