@@ -643,15 +643,6 @@ def calibrate(
     )
 
 
-def _source_dtypes(shapes) -> dict:
-    """``{module: torch dtype}`` of every floating-point source weight (what `pack` will store it in)."""
-    from .checkpoint import DTYPES
-
-    return {
-        n[: -len(".weight")]: DTYPES[d][0] for n, (d, _) in shapes.items() if n.endswith(".weight") and d in DTYPES and DTYPES[d][0].is_floating_point
-    }
-
-
 def choose_pipeline(config: CalibConfig, shapes) -> str:
     """``whole`` or ``sequential`` for ``--pipeline`` (``auto``: sequential when the weights do not
     fit the devices the whole model would use, and only for what sequential supports)."""
@@ -683,8 +674,6 @@ def choose_pipeline(config: CalibConfig, shapes) -> str:
 
 def _check_moe_settings(config: CalibConfig, ranks: int) -> None:
     """What a mixture-of-experts calibration does not do yet, refused before any work."""
-    if config.weight_algo != "rtn":
-        raise UserError("--weight-algo awq does not smooth mixture-of-experts layers yet: use --weight-algo rtn; nothing was calibrated")
     if config.pipeline == "sequential":
         raise UserError("--pipeline sequential does not run mixture-of-experts models yet: use --pipeline whole; nothing was calibrated")
     if ranks > 1:
@@ -920,20 +909,25 @@ def _collect_ranks(ranks, model_dir, config, batches, shapes, show_progress):
     return stats, num_tokens, kv_stats, kv_problem, groups, smoothing, weight_algo, scores
 
 
-def _smooth(net, batches, groups, config, shapes, show_progress):
+def _smooth(net, batches, groups, config, shapes, show_progress, blocks=()):
     """With ``--weight-algo awq``: search the scales on `net` and smooth it in place, so that
-    everything collected afterwards (salience, amax, KV statistics, scores) describes the
-    smoothed model. Returns (the `awq.Smoothing` or None, calibration.json's record)."""
+    everything collected afterwards (salience, amax, KV statistics, expert statistics, scores)
+    describes the smoothed model, with the values the checkpoint will store. `blocks`: a
+    mixture-of-experts model's expert blocks. Returns (the `awq.Smoothing` or None,
+    calibration.json's record)."""
     if config.weight_algo != "awq":
         return None, {"name": "rtn"}
     from .awq import plan_folds, search_smoothing
+    from .experts import checkpoint_parameters
 
-    with Progress("AWQ scale search", len(plan_folds(net)), unit="groups", enabled=show_progress) as bar:
+    blocks = list(blocks)
+    with Progress("AWQ scale search", len(plan_folds(net, blocks, shapes)), unit="groups", enabled=show_progress) as bar:
         smoothing, record = search_smoothing(
             net, batches, groups, config.format, config.mx_scale, config.awq_tokens, progress=lambda: bar.advance(1),
-            dtypes=_source_dtypes(shapes),
+            blocks=blocks, shapes=shapes, moe_calib=config.moe_calib,
         )
-    smoothing.apply_to_model(net)
+    # Experts as the slices of the fused parameters the collector computes with (checkpoint names).
+    smoothing.apply_to_model(net, checkpoint_parameters(net, blocks))
     return smoothing, record
 
 
@@ -947,7 +941,7 @@ def _collect_whole(model_dir, out, config, batches, shapes, show_progress, on_ba
             offload = temp_sibling(out, "offload")
         net = modelio.load_model_on(model_dir, config.device, config.dtype, offload_folder=offload)
         groups = model_groups_of(net, model_dir, blocks)
-        smoothing, weight_algo = _smooth(net, batches, groups, config, shapes, show_progress)
+        smoothing, weight_algo = _smooth(net, batches, groups, config, shapes, show_progress, blocks)
 
         total = sum(int(b["input_ids"].shape[0]) for b in batches)
         with Progress("calibrating", total, unit="samples", rate_unit="tok", enabled=show_progress) as bar:

@@ -19,11 +19,11 @@ compensation uses `emulate.EmulatedLinear`.
 An AWQ checkpoint (``calibrate --weight-algo awq``) stores smoothed weights and norms; its scales
 stay in the calibration directory, so `verify` needs ``--calib`` (the scales file's SHA-256 must
 be the one recorded at pack time). The weight check then quantizes the model's weights smoothed
-by those scales (`awq.Smoothing`) and checks the smoothed norms and biases too; NMSE compares
-the quantized product of the smoothed operands with the original model's FP32 product (a linear
-whose output rows the next group's scales divide is compared with that exact smoothed output);
-the emulated perplexity runs with the smoothed norms. The bf16 reference stays the original
-model: smoothing is exact in real arithmetic.
+by those scales (`awq.Smoothing`) and checks the smoothed norms, biases and (mixture-of-experts
+models) routers too; NMSE compares the quantized product of the smoothed operands with the
+original model's FP32 product (a linear whose output rows the next group's scales divide is
+compared with that exact smoothed output); the emulated perplexity runs with the smoothed norms
+and routers. The bf16 reference stays the original model: smoothing is exact in real arithmetic.
 
 A checkpoint with KV-cache scales (``pack --kv-cache``) also gets the KV cache's error: per
 attention layer and pooled NMSE of the cached keys and values after the FP8 / NVFP4
@@ -438,10 +438,11 @@ def smoothed_weights(weights: dict[str, torch.Tensor], smoothing: Smoothing | No
     return {m: smoothing.apply(f"{m}.weight", w) for m, w in weights.items()}
 
 
-def checkpoint_smoothing(ck: Checkpoint, calib: Path | None) -> Smoothing | None:
+def checkpoint_smoothing(ck: Checkpoint, calib: Path | None, dtypes: dict | None = None) -> Smoothing | None:
     """The AWQ smoothing `ck` was packed with, rebuilt from its calibration directory (the scales
     are not in the checkpoint: it stays a plain one), or None for a round-to-nearest checkpoint.
-    The calibration's scales file must be the one recorded at pack time (its SHA-256)."""
+    The calibration's scales file must be the one recorded at pack time (its SHA-256). `dtypes`:
+    the source's tensor dtypes (`awq.storage_dtypes`), which the checkpoint stores them in."""
     from .awq import FILE, file_digest
 
     algo = (ck.resserve.get("provenance") or {}).get("weight_algo")
@@ -466,20 +467,22 @@ def checkpoint_smoothing(ck: Checkpoint, calib: Path | None) -> Smoothing | None
     path = Path(calib) / ((meta or {}).get("weight_algo") or {}).get("file", FILE)
     if calib_algo != "awq" or not path.is_file() or file_digest(path) != algo.get("scales_sha256"):
         raise CheckpointMismatch(f"{ck.dir} was packed with other AWQ scales than those in {calib}: pass the --calib it was packed with")
-    return Smoothing.from_calibration(Path(calib), meta)
+    return Smoothing.from_calibration(Path(calib), meta, dtypes=dtypes)
 
 
-def check_smoothed_tensors(ck: Checkpoint, model, smoothing: Smoothing) -> None:
-    """The unquantized tensors the AWQ scales fold into (norms, producer biases) are stored as
-    `smoothing` makes them from `model`'s own, bit for bit."""
-    params = dict(model.named_parameters())
+def check_smoothed_tensors(ck: Checkpoint, model, smoothing: Smoothing, params: dict | None = None) -> None:
+    """The unquantized tensors the AWQ scales fold into (norms, producer biases, the routers of a
+    mixture-of-experts model) are stored as `smoothing` makes them from `model`'s own, bit for
+    bit. `params`: the model's tensors under the checkpoint's names (`experts.checkpoint_parameters`),
+    default its named parameters."""
+    params = dict(model.named_parameters()) if params is None else params
     quantized = {f"{m}.weight" for m in ck.modules}
     for name in smoothing.tensors:
         if name in quantized or name not in params:
             continue
         if name not in ck.model:
             raise CheckpointMismatch(f"{ck.dir} has no {name}, which the AWQ scales fold into: pass the checkpoint and --calib that belong together")
-        ref = smoothing.apply(name, params[name].detach().to("cpu"))
+        ref = smoothing.stored(name, params[name].detach().to("cpu"))
         if not _same(ck.model.get(name), ref):
             raise CheckpointMismatch(
                 f"{name} in {ck.dir} is not the model's, smoothed by the calibration's AWQ scales: pass the --model and --calib it was packed from"
@@ -577,9 +580,14 @@ def evaluate(
         if progress:
             progress("linear-output NMSE", 1, len(groups))
 
-    # 3. Emulated perplexity (an AWQ checkpoint's smoothed norms and biases in place).
+    # 3. Emulated perplexity (an AWQ checkpoint's smoothed norms, biases and routers in place).
     cache: dict = {}
-    smoothed = smoothing.applied(model) if smoothing is not None else nullcontext()
+    params = None
+    if smoothing is not None and experts is not None:
+        from .experts import checkpoint_parameters
+
+        params = checkpoint_parameters(model, experts.blocks)
+    smoothed = smoothing.applied(model, params) if smoothing is not None else nullcontext()
     with smoothed:
         for mode in ("plain", "checkpoint", "full"):
             with emulated(model, ck, mode, packed_all, cache):
@@ -590,7 +598,7 @@ def evaluate(
         # The KV cache quantized with the stored scales, alone and with the checkpoint's linears.
         tick = (lambda: progress("perplexity (KV cache)", 1, 2 * len(batches))) if progress else None
         ppl["bf16_kv"] = _forward_nll(model, batches, device, tick=tick, kv=KVQuantizer(model, kv_scales, ck.kv_cache, emulate=True))
-        with (smoothing.applied(model) if smoothing is not None else nullcontext()), emulated(model, ck, "checkpoint", packed_all, cache):
+        with (smoothing.applied(model, params) if smoothing is not None else nullcontext()), emulated(model, ck, "checkpoint", packed_all, cache):
             ppl["checkpoint_kv"] = _forward_nll(model, batches, device, tick=tick, kv=KVQuantizer(model, kv_scales, ck.kv_cache, emulate=True))
         kv_report = {"format": ck.kv_cache, "scale": f"amax / {SCALE_DIVISOR:g}", "point": POINT, **kv_measure.nmse()}
 
@@ -747,14 +755,17 @@ def _verify_loaded(
     from .groups import Group
     from .outputs import write_dir_atomic
 
+    from .awq import storage_dtypes
+    from .experts import checkpoint_parameters
+
     stats = load_stats(Path(calib)) if calib is not None else None
-    smoothing = checkpoint_smoothing(ck, Path(calib) if calib is not None else None)
+    smoothing = checkpoint_smoothing(ck, Path(calib) if calib is not None else None, storage_dtypes(modelio.tensor_shapes(model_dir)))
     if check_weights:
         weights = smoothed_weights(linear_weights(net, ck), smoothing)
         check_weights_match(ck, weights, stats, model=modelio.model_label(model), progress=progress)
         del weights
         if smoothing is not None:
-            check_smoothed_tensors(ck, net, smoothing)
+            check_smoothed_tensors(ck, net, smoothing, checkpoint_parameters(net, experts.blocks if experts is not None else []))
         if calib is not None:
             check_kv_scales(ck, Path(calib))
     tok = modelio.load_tokenizer(model_dir)

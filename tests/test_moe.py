@@ -395,7 +395,6 @@ def test_gpt_oss_is_refused_before_any_work(moe, tmp_path):
     "extra,needle",
     [
         (["--scores", "none", "--pipeline", "sequential"], "--pipeline sequential does not run mixture-of-experts models yet"),
-        (["--scores", "none", "--weight-algo", "awq"], "--weight-algo awq does not smooth mixture-of-experts layers yet"),
         (["--scores", "none", "--moe-calib", "some"], "--moe-calib must be one of all, routed"),
     ],
 )
