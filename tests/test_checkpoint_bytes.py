@@ -26,6 +26,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from fixtures.tiny import group_list
+
 from resserve_export.cli import main
 
 PINNED = {
@@ -78,12 +80,9 @@ def synthetic_calibration(calib: Path) -> None:
         groups.append({"modules": members, "scores": {r: damage * f for r, f in SCORE_FRACTION.items()}})
     assert set(tensors) == names
     save_file(tensors, str(path), metadata=header)
-    shapes = {}
-    for f in (Path(meta["model_dir"])).glob("*.safetensors"):
-        with safe_open(str(f), "pt") as h:
-            shapes.update({k: h.get_slice(k).get_shape() for k in h.keys()})
+    weight_count = {tuple(g.modules): g.weight_count for g in group_list(Path(meta["model_dir"]))}
     for g in groups:
-        g["weight_count"] = sum(shapes[f"{m}.weight"][0] * shapes[f"{m}.weight"][1] for m in g["modules"])
+        g["weight_count"] = weight_count[tuple(g["modules"])]
     scores = {
         "method": "grad",
         "samples": 1,
