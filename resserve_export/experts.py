@@ -28,6 +28,7 @@ import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from . import segment_stats
 from .errors import UserError
 
 MOE_CALIB = ("all", "routed")
@@ -319,6 +320,7 @@ class ExpertCollector:
         self.mode = mode
         self._modules = fused_modules(model, blocks)
         self._valid = None
+        self._valid_on: dict = {}
         self._acc: dict[str, dict] = {b.prefix: {} for b in blocks}
         self._previous = {b.prefix: _install(self._modules[b.prefix], self._forward(self._modules[b.prefix], b, self._acc[b.prefix])) for b in blocks}
 
@@ -334,6 +336,13 @@ class ExpertCollector:
 
     def set_mask(self, attention_mask) -> None:
         self._valid = attention_mask.detach().reshape(-1).to("cpu").bool()
+        self._valid_on = {}  # the mask per device, copied once per batch, not once per layer
+
+    def _valid_at(self, dev):
+        v = self._valid_on.get(dev)
+        if v is None:
+            v = self._valid_on[dev] = self._valid.to(dev)
+        return v
 
     @staticmethod
     def _init(acc: dict, b: ExpertBlock, device) -> None:
@@ -364,7 +373,7 @@ class ExpertCollector:
                 )
             if not acc:
                 self._init(acc, b, dev)
-            valid = self._valid.to(dev)
+            valid = self._valid_at(dev)
             with torch.no_grad():
                 ids = top_k_index.reshape(-1)
                 ids_sorted, perm = torch.sort(ids, stable=True)
@@ -380,6 +389,12 @@ class ExpertCollector:
                 out = unsorted.view(T, k, -1).sum(1).to(hidden_states.dtype)  # a fixed order: deterministic
 
                 keep = valid[token]
+                if self.mode == "routed" and segment_stats.available(dev):
+                    # one pass per statistic over the rows sorted by expert (gate/up: the gathered
+                    # token rows; down: act(gate)·up), the routed-token count taken with the first
+                    segment_stats.segment_stats(xs, keep, offs, acc["sum_in"], acc["amax_in"], acc["routed"])
+                    segment_stats.segment_stats(h, keep, offs, acc["sum_mid"], acc["amax_mid"])
+                    return out
                 routed = torch.zeros(E, dtype=torch.int64, device=dev).index_add_(0, ids_sorted, keep.long())
                 acc["routed"] += routed
                 if self.mode == "routed":
@@ -394,7 +409,6 @@ class ExpertCollector:
                     peak = torch.zeros(E, dtype=torch.float32, device=dev).scatter_reduce_(0, ids, row_max.repeat_interleave(k), "amax")
                     acc["amax_in"].copy_(torch.maximum(acc["amax_in"], peak))
                     _segment_stats(h, keep, counts, acc["sum_mid"], acc["amax_mid"])
-                    acc["rows"] += routed
                 else:
                     # every expert on every valid token, for its statistics only
                     everyone = hidden_states[valid]
@@ -417,7 +431,13 @@ class ExpertCollector:
         """Stop at the first expert block whose activations hold NaN/Inf."""
         import torch
 
-        self._valid = None
+        self._valid, self._valid_on = None, {}
+        peaks = [t for b in self.blocks for t in (self._acc[b.prefix].get("amax_in"), self._acc[b.prefix].get("amax_mid")) if t is not None]
+        by_device: dict = {}
+        for t in peaks:
+            by_device.setdefault(t.device, []).append(t)
+        if all(bool(torch.isfinite(torch.cat(ts)).all()) for ts in by_device.values()):
+            return  # one check (one device sync) per device, not one per block
         for b in self.blocks:
             a = self._acc[b.prefix]
             if a and not bool(torch.isfinite(torch.cat([a["amax_in"], a["amax_mid"]])).all()):
@@ -438,7 +458,7 @@ class ExpertCollector:
             a = self._acc[b.prefix]
             if not a:
                 raise UserError(f"the experts of {b.prefix} never ran in the forward pass: they cannot be calibrated")
-            rows = a["rows"].cpu()
+            rows = (a["rows"] if self.mode == "all" else a["routed"]).cpu()  # routed: the rows are the routed tokens
             seen = rows > 0
             if not bool(seen.any()):
                 raise UserError(f"no expert of {b.prefix} saw a calibration token: use more samples or --moe-calib all")

@@ -634,3 +634,47 @@ def test_gpu_segment_statistics_equal_the_cpu_reduction():
     assert torch.equal(got_max, want_max) and want_max[3] == 0 and want_max[1] == 0
     torch.testing.assert_close(got_sum, exact, rtol=1e-12, atol=0)
     torch.testing.assert_close(want_sum, exact, rtol=1e-6, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_segment_statistics_equal_the_exact_sums():
+    """The routed collector's Triton pass on CUDA: float64 sums equal the exact per-segment sums
+    of the kept rows bit for bit (bf16 rows, sums exact in float64), amax and kept-row counts
+    equal; empty and all-padding segments; a non-finite value in a padding row is ignored, one in
+    a kept row makes the sum NaN and the amax +inf (so calibration's finiteness check fires)."""
+    from resserve_export import segment_stats
+
+    if not segment_stats.available(torch.device("cuda")):
+        pytest.skip("needs Triton")
+    g = torch.Generator().manual_seed(5)
+    lengths = [5, 0, 37, 1, 0, 640, 9, 1000]
+    K = 300  # not a multiple of the column block
+    rows = (torch.randn(sum(lengths), K, generator=g) * 3).to(torch.bfloat16)
+    keep = torch.rand(len(rows), generator=g) > 0.2
+    keep[5 + 37] = False  # an expert whose only row is padding
+    rows[7, 3] = float("nan")
+    keep[7] = False  # NaN in a padding row: ignored
+    ends = torch.tensor(lengths).cumsum(0).to(torch.int32)
+    E = len(lengths)
+    acc_sum = torch.full((E, K), 0.5, dtype=torch.float64)  # accumulates onto what is there
+    acc_max = torch.full((E,), 0.25)
+    acc_n = torch.full((E,), 2, dtype=torch.int64)
+    dev = [t.cuda() for t in (acc_sum, acc_max, acc_n)]
+    segment_stats.segment_stats(rows.cuda(), keep.cuda(), ends.cuda(), *dev)
+    want_sum, want_max, want_n = acc_sum.clone(), acc_max.clone(), acc_n.clone()
+    r0 = 0
+    for e, n in enumerate(lengths):
+        k = keep[r0 : r0 + n]
+        a = rows[r0 : r0 + n][k].double().abs()
+        want_sum[e] += a.sum(0)
+        want_max[e] = max(float(want_max[e]), float(a.max()) if len(a) else 0.0)
+        want_n[e] += int(k.sum())
+        r0 += n
+    assert torch.equal(dev[0].cpu(), want_sum) and torch.equal(dev[1].cpu(), want_max) and torch.equal(dev[2].cpu(), want_n)
+    assert want_n[3] == 2 and want_max[3] == 0.25
+    rows[50, 7] = float("nan")
+    keep[50] = True
+    s, m = torch.zeros(E, K, dtype=torch.float64, device="cuda"), torch.zeros(E, device="cuda")
+    segment_stats.segment_stats(rows.cuda(), keep.cuda(), ends.cuda(), s, m)
+    assert torch.isnan(s[5, 7]) and m[5] == float("inf") and torch.isfinite(m[[0, 2, 6, 7]]).all()
