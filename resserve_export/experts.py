@@ -338,10 +338,14 @@ class ExpertCollector:
         self._valid = attention_mask.detach().reshape(-1).to("cpu").bool()
         self._valid_on = {}  # the mask per device, copied once per batch, not once per layer
 
-    def _valid_at(self, dev):
-        v = self._valid_on.get(dev)
+    def _valid_at(self, dev, index: bool = False):
+        """The batch's valid-token mask (or, with `index`, the valid tokens' indices) on `dev`."""
+        import torch
+
+        key = (dev, index)
+        v = self._valid_on.get(key)
         if v is None:
-            v = self._valid_on[dev] = self._valid.to(dev)
+            v = self._valid_on[key] = (torch.nonzero(self._valid).reshape(-1) if index else self._valid).to(dev)
         return v
 
     @staticmethod
@@ -378,7 +382,9 @@ class ExpertCollector:
                 ids = top_k_index.reshape(-1)
                 ids_sorted, perm = torch.sort(ids, stable=True)
                 token = perm // k
-                counts = torch.bincount(ids, minlength=E)
+                # per-expert row counts without a device sync (bincount reads the maximum back to
+                # the host: once per layer, that stalls the launch queue of a GPU forward)
+                counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
                 offs = counts.cumsum(0).to(torch.int32)
                 xs = hidden_states[token]
                 gate, up = _grouped_mm(xs, mod.gate_up_proj, offs).chunk(2, dim=-1)
@@ -411,17 +417,19 @@ class ExpertCollector:
                     _segment_stats(h, keep, counts, acc["sum_mid"], acc["amax_mid"])
                 else:
                     # every expert on every valid token, for its statistics only
-                    everyone = hidden_states[valid]
-                    n = everyone.shape[0]
+                    idx = self._valid_at(dev, index=True)
+                    everyone = hidden_states.index_select(0, idx)
+                    n = idx.shape[0]
                     ones = torch.ones(n, dtype=torch.bool, device=dev)
+                    seg = [n] if dev.type == "cpu" else torch.full((1,), n, dtype=torch.int64, device=dev)  # no host copy: no sync
                     one = torch.zeros(1, b.hidden, dtype=torch.float64, device=dev)
                     peak = torch.zeros(1, dtype=torch.float32, device=dev)
-                    _segment_stats(everyone, ones, [n], one, peak)
+                    _segment_stats(everyone, ones, seg, one, peak)
                     acc["sum_in"] += one
                     acc["amax_in"].copy_(torch.maximum(acc["amax_in"], peak))
                     for e in range(E):
                         g_all, u_all = (everyone @ mod.gate_up_proj[e].t()).chunk(2, dim=-1)
-                        _segment_stats(mod.act_fn(g_all) * u_all, ones, [n], acc["sum_mid"][e : e + 1], acc["amax_mid"][e : e + 1])
+                        _segment_stats(mod.act_fn(g_all) * u_all, ones, seg, acc["sum_mid"][e : e + 1], acc["amax_mid"][e : e + 1])
                     acc["rows"] += n
             return out
 
