@@ -270,12 +270,17 @@ def bench_moe(args) -> dict:
             model.config._experts_implementation = default_impl
         return run
 
+    result_s = {"routed": [], "all": []}
+
     def hooked(mode):
         def run():
             kv = KVCollector(model)
             with ExpertCollector(model, blocks, mode) as ec:
                 stats, _ = cal.collect(model, batches, dense, kv=kv, experts=ec)
-            ec.result()
+            sync(model)
+            t = time.perf_counter()
+            ec.result()  # once per calibration run, whatever its length: timed apart as well
+            result_s[mode].append(time.perf_counter() - t)
         return run
 
     arms = {"plain_default": plain(default_impl), "plain_eager": plain("eager"), "routed": hooked("routed"), "all": hooked("all")}
@@ -286,6 +291,8 @@ def bench_moe(args) -> dict:
         for k, fn in arms.items():
             times[k].append(timed(fn, model)[0])
     base = times["plain_default"]
+    for mode in ("routed", "all"):  # the passes alone: the arm's time less its one-off result()
+        times[f"{mode}_passes"] = [t - r for t, r in zip(times[mode], result_s[mode][1:])]
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
     return {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({args.threads} threads)",
@@ -295,6 +302,7 @@ def bench_moe(args) -> dict:
         "tokens_per_pass": tokens,
         "reps": args.reps,
         "median_s": {k: statistics.median(v) for k, v in times.items()},
+        "result_median_s": {k: statistics.median(v[1:]) for k, v in result_s.items()},
         "ratio_to_default_median_of_pairs": {k: statistics.median(a / b for a, b in zip(v, base)) for k, v in times.items()},
         "ratio_to_eager_median_of_pairs": {k: statistics.median(a / b for a, b in zip(v, times["plain_eager"])) for k, v in times.items()},
     }
