@@ -78,4 +78,16 @@ def compile_or_eager(fn, **options):
     return run
 
 
-__all__ = ["RECOMPILE_LIMIT", "compile_or_eager"]
+@functools.lru_cache(maxsize=None)
+def triton_modules():
+    """``(triton, triton.language)``, or None where Triton is missing or fails to import: the
+    callers with Triton kernels then run their eager path."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # noqa: BLE001 (no Triton, or one that fails to import: eager instead)
+        return None
+    return triton, tl
+
+
+__all__ = ["RECOMPILE_LIMIT", "compile_or_eager", "triton_modules"]

@@ -28,7 +28,6 @@ import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from . import segment_stats
 from .errors import UserError
 
 MOE_CALIB = ("all", "routed")
@@ -364,6 +363,8 @@ class ExpertCollector:
 
     def _forward(self, mod, b: ExpertBlock, acc: dict):
         import torch
+
+        from . import segment_stats
 
         def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
             if self._valid is None:

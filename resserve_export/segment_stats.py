@@ -39,11 +39,12 @@ _COLS = 128
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001 (no Triton, or one that fails to import: eager instead)
+    from .compiling import triton_modules
+
+    mods = triton_modules()
+    if mods is None:
         return None
+    triton, tl = mods
 
     @triton.jit
     def _nanmax(a, b):

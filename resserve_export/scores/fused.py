@@ -28,6 +28,8 @@ import os
 
 import torch
 
+from ..compiling import triton_modules
+
 # Elements per program of the reduction: BLOCK lanes × _ITERS steps. 16K elements keep ≥ 1000
 # programs in flight for a [4096, 4096] output and the partial sums small.
 _BLOCK = 1024
@@ -38,12 +40,8 @@ _COLS = 1024
 
 @functools.lru_cache(maxsize=None)
 def _triton():
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001 (no Triton, or one that fails to import: eager instead)
-        return None
-    return triton, tl, _build(triton, tl)
+    mods = triton_modules()
+    return None if mods is None else (*mods, _build(*mods))
 
 
 def available(device: torch.device) -> bool:
