@@ -205,6 +205,25 @@ def _natural_key(name: str) -> list:
     return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in name.split(".")]
 
 
+def finite_each(tensors: list) -> list[bool]:
+    """Whether each tensor holds only finite values, with one device-to-host copy per device
+    (not one per tensor: a sync per layer would stall a GPU forward's launch queue)."""
+    import torch
+
+    by_device: dict = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    out = [True] * len(tensors)
+    for idx in by_device.values():
+        flat = torch.isfinite(torch.cat([tensors[i].reshape(-1) for i in idx])).tolist()
+        pos = 0
+        for i in idx:
+            n = tensors[i].numel()
+            out[i] = all(flat[pos : pos + n])
+            pos += n
+    return out
+
+
 class StatsCollector:
     """Forward pre-hooks accumulating Σ|x| (float64), valid-token count and amax per decision group.
 
@@ -356,15 +375,8 @@ class StatsCollector:
 
     def check_finite(self) -> None:
         """Stop at the first layer (in forward order) whose activations so far hold NaN/Inf."""
-        torch = self._torch
-        by_device: dict = {}
-        for gi, a in enumerate(self._amax):
-            if a is not None:
-                by_device.setdefault(a.device, []).append(gi)
-        bad = []
-        for gis in by_device.values():  # one device-to-host copy per device and batch
-            finite = torch.isfinite(torch.stack([self._amax[gi] for gi in gis])).tolist()
-            bad += [gi for gi, ok in zip(gis, finite) if not ok]
+        gis = [gi for gi, a in enumerate(self._amax) if a is not None]
+        bad = [gi for gi, ok in zip(gis, finite_each([self._amax[gi] for gi in gis])) if not ok]
         if bad:
             first = min(bad, key=lambda gi: self._first_call[gi])
             raise UserError(

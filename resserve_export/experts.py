@@ -439,18 +439,13 @@ class ExpertCollector:
 
     def end_batch(self) -> None:
         """Stop at the first expert block whose activations hold NaN/Inf."""
-        import torch
+        from .calibrate import finite_each
 
         self._valid, self._valid_on = None, {}
-        peaks = [t for b in self.blocks for t in (self._acc[b.prefix].get("amax_in"), self._acc[b.prefix].get("amax_mid")) if t is not None]
-        by_device: dict = {}
-        for t in peaks:
-            by_device.setdefault(t.device, []).append(t)
-        if all(bool(torch.isfinite(torch.cat(ts)).all()) for ts in by_device.values()):
-            return  # one check (one device sync) per device, not one per block
-        for b in self.blocks:
-            a = self._acc[b.prefix]
-            if a and not bool(torch.isfinite(torch.cat([a["amax_in"], a["amax_mid"]])).all()):
+        ran = [b for b in self.blocks if self._acc[b.prefix]]
+        finite = finite_each([t for b in ran for t in (self._acc[b.prefix]["amax_in"], self._acc[b.prefix]["amax_mid"])])
+        for i, b in enumerate(ran):
+            if not (finite[2 * i] and finite[2 * i + 1]):
                 raise UserError(
                     f"non-finite (NaN/Inf) activations reach the experts of {b.prefix}: the model's weights or dtype overflow; "
                     "try --dtype float32 or check the checkpoint"

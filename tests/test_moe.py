@@ -232,6 +232,25 @@ def test_the_collector_keeps_the_models_output(moe, arch, device):
     assert torch.equal(got, ref) and torch.equal(again, ref)
 
 
+@pytest.mark.parametrize("mode", ["routed", "all"])
+def test_non_finite_expert_activations_name_the_first_block_that_saw_them(moe, mode):
+    """An overflowing expert (its gate/up weights +inf) makes the down inputs of its block
+    non-finite: end_batch names that block, not the finite block before it."""
+    model = moe["models"]["qwen3_moe"]
+    net = modelio.load_model(model)
+    blocks = expert_blocks(modelio.tensor_shapes(model))
+    assert [b.layer for b in blocks] == [0, 1]
+    with torch.no_grad():
+        fused_modules(net, blocks)[blocks[1].prefix].gate_up_proj[:] = float("inf")
+    ids = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    with torch.inference_mode(), ExpertCollector(net, blocks, mode) as ec:
+        ec.set_mask(mask)
+        net(input_ids=ids, attention_mask=mask, use_cache=False)
+        with pytest.raises(UserError, match=r"non-finite \(NaN/Inf\) activations reach the experts of model\.layers\.1\.mlp\.experts:"):
+            ec.end_batch()
+
+
 def test_an_expert_no_token_reached_takes_the_pooled_statistics(moe):
     model = moe["models"]["mixtral"]
     net = modelio.load_model(model)
