@@ -423,7 +423,7 @@ class ExpertCollector:
                     everyone = hidden_states.index_select(0, idx)
                     n = idx.shape[0]
                     ones = torch.ones(n, dtype=torch.bool, device=dev)
-                    seg = [n] if dev.type == "cpu" else torch.full((1,), n, dtype=torch.int64, device=dev)  # no host copy: no sync
+                    seg = torch.full((1,), n, dtype=torch.int64, device=dev)  # made on the device: no host copy, no sync
                     one = torch.zeros(1, b.hidden, dtype=torch.float64, device=dev)
                     peak = torch.zeros(1, dtype=torch.float32, device=dev)
                     _segment_stats(everyone, ones, seg, one, peak)
