@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 
-from resserve_export import api, modelio
-from resserve_export.verify import DEFAULT_TEXT
+from resserve_export import api
+from resserve_export.modeling import modelio
+from resserve_export.stages.verify.run import DEFAULT_TEXT
 
 BUDGETS = (4.5, 5.0, 5.5)
 
@@ -62,9 +63,9 @@ def table(args) -> None:
 def modelopt(args) -> None:
     import modelopt.torch.quantization as mtq
 
-    from resserve_export import data
-    from resserve_export.calibrate import make_config
-    from resserve_export.verify import _forward_nll
+    from resserve_export.modeling import data
+    from resserve_export.stages.calibrate.run import make_config
+    from resserve_export.stages.verify.run import _forward_nll
 
     dev = torch.device("cuda")
     cfg = make_config(args.config, device="cuda", scores="none")

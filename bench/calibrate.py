@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from resserve_export import calibrate as cal  # noqa: E402
-from resserve_export import modelio  # noqa: E402
-from resserve_export.groups import group_linears, linears_of  # noqa: E402
+from resserve_export.stages.calibrate import run as cal  # noqa: E402
+from resserve_export.modeling import modelio  # noqa: E402
+from resserve_export.modeling.groups import group_linears, linears_of  # noqa: E402
 
 # Qwen3-1.7B's published shape (config.json of Qwen/Qwen3-1.7B).
 QWEN3_1_7B = dict(
@@ -65,7 +65,7 @@ def forward_plain(model, batches, kw) -> None:
 
 def forward_hooked(model, batches, groups, kw, with_kv: bool = True) -> dict:
     """What `calibrate` runs: the statistics hooks and (`with_kv`) the KV-cache observer."""
-    from resserve_export.kvcache import KVCollector
+    from resserve_export.observers.kvcache import KVCollector
 
     dev = cal.input_device(model)
     kv = KVCollector(model) if with_kv else None
@@ -146,7 +146,7 @@ def qwen3_shaped(device: str):
 
 
 def bench_cpu(args) -> dict:
-    from resserve_export import data
+    from resserve_export.modeling import data
 
     torch.set_num_threads(args.threads)
     model_dir = modelio.resolve_model(str(modelio.default_model()))
@@ -238,9 +238,9 @@ def bench_moe(args) -> dict:
     (which the collector runs)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from resserve_export.experts import ExpertCollector, expert_blocks
-    from resserve_export.groups import group_linears, linears_of
-    from resserve_export.kvcache import KVCollector
+    from resserve_export.modeling.experts import ExpertCollector, expert_blocks
+    from resserve_export.modeling.groups import group_linears, linears_of
+    from resserve_export.observers.kvcache import KVCollector
 
     torch.set_num_threads(args.threads)
     shape = MOE_30B if args.shape == "30b" else MOE_SMALL
@@ -255,7 +255,7 @@ def bench_moe(args) -> dict:
             model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape)).eval()
     finally:
         torch.set_default_dtype(default_dtype)
-    from resserve_export.size import shapes_from_config
+    from resserve_export.stages.size import shapes_from_config
 
     blocks = expert_blocks(shapes_from_config(dict(model.config.to_dict(), model_type="qwen3_moe")))  # the checkpoint's expert names
     batches = random_batches(args.batches, args.batch, args.seq, shape["vocab_size"], pad_rows=args.batch // 4)

@@ -25,8 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from resserve_export import kernel, kext, registry  # noqa: E402
-from resserve_export.nvfp4 import global_scale  # noqa: E402
+from resserve_export.algorithms import kernel
+from resserve_export.algorithms import kext
+from resserve_export.formats import registry  # noqa: E402
+from resserve_export.formats.nvfp4 import global_scale  # noqa: E402
 
 
 def time_ms(fn, reps: int = 20, rounds: int = 7, warmup: int = 3) -> float:

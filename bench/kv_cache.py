@@ -20,9 +20,12 @@ from pathlib import Path
 
 import torch
 
-from resserve_export import api, data, kvcache, modelio
-from resserve_export.checkpoint import Checkpoint
-from resserve_export.verify import DEFAULT_TEXT, _forward_nll, emulated
+from resserve_export import api
+from resserve_export.modeling import data
+from resserve_export.observers import kvcache
+from resserve_export.modeling import modelio
+from resserve_export.storage.checkpoint import Checkpoint
+from resserve_export.stages.verify.run import DEFAULT_TEXT, _forward_nll, emulated
 
 
 class CountingQuantizer(kvcache.KVQuantizer):

@@ -23,9 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from resserve_export import formats, nvfp4  # noqa: E402
-from resserve_export.kext import full_residue, residue  # noqa: E402
-from resserve_export.selection import mask_to_indices, select_mask  # noqa: E402
+from resserve_export.formats import ops as formats
+from resserve_export.formats import nvfp4  # noqa: E402
+from resserve_export.algorithms.kext import full_residue, residue  # noqa: E402
+from resserve_export.algorithms.selection import mask_to_indices, select_mask  # noqa: E402
 
 
 def nmse(y: torch.Tensor, ref: torch.Tensor) -> float:

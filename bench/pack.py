@@ -105,8 +105,8 @@ def generate(model_dir: Path, layers: int, arch: str = "qwen3-4b") -> None:
     """Random bf16 weights (std 0.02, a few outlier columns) with the architecture's tensor layout."""
     import torch
 
-    from resserve_export.checkpoint import MODEL_INDEX, ShardedWriter, TensorSpec, dump_json, split_shards
-    from resserve_export.size import shapes_from_config
+    from resserve_export.storage.checkpoint import MODEL_INDEX, ShardedWriter, TensorSpec, dump_json, split_shards
+    from resserve_export.stages.size import shapes_from_config
 
     cfg = {**ARCHS[arch][0], "num_hidden_layers": layers}
     if (model_dir / "config.json").exists() and json.loads((model_dir / "config.json").read_text()) == cfg:
@@ -141,8 +141,8 @@ def calibration(model_dir: Path, calib: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from resserve_export import modelio
-    from resserve_export.layout import model_groups
+    from resserve_export.modeling import modelio
+    from resserve_export.stages.layout import model_groups
 
     fp = modelio.fingerprint(model_dir)
     if (calib / "calibration.json").exists() and json.loads((calib / "calibration.json").read_text())["fingerprint"] == fp:
@@ -163,7 +163,7 @@ def calibration(model_dir: Path, calib: Path) -> None:
 
 
 def run_ours(model_dir: Path, calib: Path, out: Path, ratio: float, device: str) -> dict:
-    from resserve_export.pack import pack
+    from resserve_export.stages.pack.run import pack
 
     t = time.perf_counter()
     res = pack(model_dir, calib, out, "nvfp4", ratio=ratio, device=device, overwrite=True, progress=False)
@@ -188,7 +188,7 @@ def run_modelopt(model_dir: Path, out: Path, device: str = "cpu") -> dict:
     from modelopt.torch.quantization.qtensor import NVFP4QTensor
     from safetensors import safe_open
 
-    from resserve_export import modelio
+    from resserve_export.modeling import modelio
 
     t = time.perf_counter()
     shutil.rmtree(out, ignore_errors=True)
@@ -217,7 +217,7 @@ def run_modelopt(model_dir: Path, out: Path, device: str = "cpu") -> dict:
 def run_io(model_dir: Path, out: Path) -> dict:
     from safetensors import safe_open
 
-    from resserve_export import modelio
+    from resserve_export.modeling import modelio
 
     t = time.perf_counter()
     shutil.rmtree(out, ignore_errors=True)
@@ -240,7 +240,7 @@ def child(args) -> None:
     cold = tempfile.mkdtemp(prefix="resserve-bench-cache-")
     os.environ["RESSERVE_CACHE"] = cold  # no fingerprint cached: every run hashes the source
     if args.child == "fingerprint":
-        from resserve_export import modelio
+        from resserve_export.modeling import modelio
 
         t = time.perf_counter()
         modelio.fingerprint(model_dir)
@@ -248,7 +248,7 @@ def child(args) -> None:
     elif args.child == "ours":
         r = run_ours(model_dir, calib, BENCH / "out-ours", args.ratio, args.device)
     elif args.child == "ours-warm":
-        from resserve_export import modelio
+        from resserve_export.modeling import modelio
 
         modelio.fingerprint(model_dir)  # untimed: the digests cached, as on a machine that calibrated
         r = run_ours(model_dir, calib, BENCH / "out-ours", args.ratio, args.device)

@@ -55,7 +55,7 @@ def random_scores(groups: int, seed: int) -> dict:
 
 def bench_solve(repeat: int) -> list[str]:
     from resserve_export.planners.ilp import available
-    from resserve_export.plan import build_plan
+    from resserve_export.stages.plan import build_plan
 
     solvers = ["cbc"] + (["highs"] if available("highs") else []) + ["greedy"]
     lines = [
@@ -107,10 +107,11 @@ def forward_backward(model, batches) -> None:
 def bench_scores(samples: int, seq_len: int, batch_size: int, kl_groups: int, repeat: int) -> list[str]:
     import torch
 
-    from resserve_export import data, modelio
-    from resserve_export import scores as S
-    from resserve_export.calibrate import collect
-    from resserve_export.groups import group_linears, linears_of
+    from resserve_export.modeling import data
+    from resserve_export.modeling import modelio
+    from resserve_export.algorithms import scores as S
+    from resserve_export.stages.calibrate.run import collect
+    from resserve_export.modeling.groups import group_linears, linears_of
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     model_dir = modelio.resolve_model(str(modelio.default_model()))
@@ -196,9 +197,9 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
     sys.path.insert(0, str(ROOT / "bench"))
     import calibrate as bench_calibrate  # bench/calibrate.py: the model shape and random batches
 
-    from resserve_export import scores as S
-    from resserve_export.calibrate import collect
-    from resserve_export.groups import group_linears, linears_of
+    from resserve_export.algorithms import scores as S
+    from resserve_export.stages.calibrate.run import collect
+    from resserve_export.modeling.groups import group_linears, linears_of
 
     if smoke:
         bench_calibrate.SHAPE.update(bench_calibrate.SMOKE)
@@ -239,7 +240,7 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
         grad[prec], runs[prec] = timed(scored(prec))
     # The bf16 path as it was before its Triton kernels (`scores.fused`): eager reductions and
     # operands, for the time and as the reference the kernels' scores are compared with.
-    from resserve_export.scores import fused
+    from resserve_export.algorithms.scores import fused
 
     real = fused.available
     fused.available = lambda device: False

@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from resserve_export import formats  # noqa: E402
+from resserve_export.formats import ops as formats  # noqa: E402
 
 
 def _best(fn, n: int) -> tuple[float, float]:

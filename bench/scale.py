@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from resserve_export import calibrate as cal
-from resserve_export import modelio, sequential
-from resserve_export.groups import group_linears, linears_of
+from resserve_export.stages.calibrate import run as cal
+from resserve_export.modeling import modelio
+from resserve_export.stages.calibrate import sequential
+from resserve_export.modeling.groups import group_linears, linears_of
 
 SHAPES = {
     "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -128,7 +129,7 @@ def main() -> None:
 
     t_resume = None
     if args.resume:
-        from resserve_export.resume import RESUME_ENV, ResumePoints
+        from resserve_export.storage.resume import RESUME_ENV, ResumePoints
 
         os.environ[RESUME_ENV] = "0"
         points = ResumePoints.open(root / "calib", {"bench": "scale"}, resume=False)
@@ -150,7 +151,7 @@ def main() -> None:
 
     t_scores = None
     if args.scores:
-        from resserve_export.constants import RATIOS
+        from resserve_export.formats.constants import RATIOS
 
         spec = sequential.ScoreSpec(list(RATIOS), "nvfp4", "ceil", "auto", args.score_samples)
         peak_reset(args.device)

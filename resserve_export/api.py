@@ -24,11 +24,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from .calibrate import CalibrationResult
-from .errors import UserError
-from . import pack as _pack_module
-from .pack import PackResult
-from .size import SizeReport
+from resserve_export.stages.calibrate.run import CalibrationResult
+from resserve_export.core.errors import UserError
+from resserve_export.stages.pack import run as _pack_module
+from resserve_export.stages.pack.run import PackResult
+from resserve_export.stages.size import SizeReport
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def _restore(state: dict) -> None:
     cfg = torch._dynamo.config
     for k, v in state["dynamo"].items():
         setattr(cfg, k, v)
-    from . import compiling
+    from resserve_export.core import compiling
 
     compiling.forget_raised_limits()
     if "transformers" in sys.modules:
@@ -154,7 +154,7 @@ def calibrate(
     mixture-of-experts model's experts take their statistics from)). `resume`: continue an interrupted layer-by-layer
     (sequential) run of the same `out` from its last resume point.
     """
-    from . import calibrate as cal
+    from resserve_export.stages.calibrate import run as cal
 
     with restoring_process_state():
         cfg = cal.make_config(config, **settings)
@@ -179,15 +179,15 @@ def plan(
     Mixture-of-experts models: `moe_ratio` ``shared`` (one ratio per layer and projection kind
     across that layer's experts) or ``per-expert``; `moe_cost` ``bits`` (stored weights) or
     ``tokens`` (weights times each expert's routed-token share)."""
-    from . import plan as P
-    from .outputs import check_writable
-    from .planners import SOLVERS
+    from resserve_export.stages import plan as P
+    from resserve_export.core.outputs import check_writable
+    from resserve_export.planners import SOLVERS
 
     with restoring_process_state():
         if solver not in SOLVERS:
             raise UserError(f"unknown solver {solver!r}, available: {', '.join(SOLVERS)}")
         if solver == "highs":
-            from .planners.ilp import available
+            from resserve_export.planners.ilp import available
 
             if not available("highs"):
                 raise UserError("the HiGHS solver needs the 'highspy' package: `pip install highspy`, or use --solver cbc")
@@ -244,7 +244,7 @@ def verify(
 
     `progress`: None, or ``tick(phase, advance, total)`` (`ui.phases` gives one).
     """
-    from .verify import verify as _verify
+    from resserve_export.stages.verify.run import verify as _verify
 
     with restoring_process_state():
         rep = _verify(
@@ -271,7 +271,7 @@ def size(
 
     `other_bytes`: config, tokenizer and other copied files; None measures them beside the config.
     """
-    from .size import estimate, load_config, other_files_bytes
+    from resserve_export.stages.size import estimate, load_config, other_files_bytes
 
     cfg, where = load_config(config)
     if other_bytes is None:

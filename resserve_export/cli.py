@@ -7,9 +7,14 @@ import sys
 
 import typer
 
-from .commands import calibrate, inspect, pack, plan, size, verify
-from .errors import UserError
-from .ui import say
+from resserve_export.commands import calibrate
+from resserve_export.commands import inspect
+from resserve_export.commands import pack
+from resserve_export.commands import plan
+from resserve_export.commands import size
+from resserve_export.commands import verify
+from resserve_export.core.errors import UserError
+from resserve_export.core.ui import say
 
 def _no_placeholder_for_flags() -> None:
     """Help shows no ``<bool>`` after on/off flags (``--overwrite``, ``--json``, ``--help``):

@@ -11,7 +11,7 @@ import torch
 
 from resserve_export import api
 from resserve_export.cli import main
-from resserve_export.errors import UserError
+from resserve_export.core.errors import UserError
 
 from test_calibrate import make_llama, varied_texts, write_jsonl
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 from fixtures.tiny import make_model, randomized
 
-from resserve_export import awq, modelio
-from resserve_export.formats import qdq
+from resserve_export.algorithms.awq import smoothing as awq
+from resserve_export.modeling import modelio
+from resserve_export.formats.ops import qdq
 
 from test_calibrate import make_llama
 from test_kvcache import make_gemma3

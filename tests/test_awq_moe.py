@@ -21,15 +21,19 @@ from conftest import bits
 from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 
-from resserve_export import awq, data, formats, modelio, nvfp4
-from resserve_export import calibrate as cal
-from resserve_export.checkpoint import Checkpoint, read_checkpoint
-from resserve_export.errors import CheckpointMismatch
-from resserve_export.experts import checkpoint_parameters, expert_blocks, fused_modules
-from resserve_export.formats import qdq
-from resserve_export.groups import is_quantized
-from resserve_export.pack import pack
-from resserve_export.verify import verify
+from resserve_export.algorithms.awq import smoothing as awq
+from resserve_export.modeling import data
+from resserve_export.formats import ops as formats
+from resserve_export.modeling import modelio
+from resserve_export.formats import nvfp4
+from resserve_export.stages.calibrate import run as cal
+from resserve_export.storage.checkpoint import Checkpoint, read_checkpoint
+from resserve_export.core.errors import CheckpointMismatch
+from resserve_export.modeling.experts import checkpoint_parameters, expert_blocks, fused_modules
+from resserve_export.formats.ops import qdq
+from resserve_export.modeling.groups import is_quantized
+from resserve_export.stages.pack.run import pack
+from resserve_export.stages.verify.run import verify
 
 from test_moe import _calibrated, moe  # noqa: F401 (moe: the module-scoped fixture of tiny MoE models)
 from test_pack import _source
@@ -448,7 +452,7 @@ def test_verify_catches_a_router_that_is_not_the_smoothed_one(moe, tmp_path):
 def test_scales_for_a_router_the_model_lacks_are_refused(moe, tmp_path):
     """A calibration whose MoE fold names a router this model does not have is refused by pack in
     one line, before anything is written."""
-    from resserve_export.errors import UserError
+    from resserve_export.core.errors import UserError
 
     model, calib = moe["models"]["qwen2_moe"], _awq(moe, "qwen2_moe")
     bad = tmp_path / "calib"

@@ -18,12 +18,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from resserve_export import awq, data, formats, modelio
-from resserve_export import calibrate as cal
-from resserve_export.checkpoint import Checkpoint, read_checkpoint
-from resserve_export.errors import CheckpointMismatch, UserError
-from resserve_export.pack import pack
-from resserve_export.verify import verify
+from resserve_export.algorithms.awq import smoothing as awq
+from resserve_export.modeling import data
+from resserve_export.formats import ops as formats
+from resserve_export.modeling import modelio
+from resserve_export.stages.calibrate import run as cal
+from resserve_export.storage.checkpoint import Checkpoint, read_checkpoint
+from resserve_export.core.errors import CheckpointMismatch, UserError
+from resserve_export.stages.pack.run import pack
+from resserve_export.stages.verify.run import verify
 
 from test_awq import make_mha_qwen2
 from test_calibrate import add_tokenizer, make_llama, varied_texts, write_jsonl
@@ -336,7 +339,7 @@ def test_search_rows_are_valid_tokens_only(setup):
 
 def test_awq_search_refuses_an_offloaded_model(setup):
     """Weights offloaded to disk (on the meta device) cannot be searched or smoothed: one line."""
-    from resserve_export.sequential import empty_model
+    from resserve_export.stages.calibrate.sequential import empty_model
 
     _, models, _, _ = setup
     shell = empty_model(models["llama"], "bfloat16")

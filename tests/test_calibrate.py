@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from resserve_export import calibrate as cal
-from resserve_export import data, modelio
-from resserve_export.errors import UserError
-from resserve_export.groups import group_linears, is_quantized, linears_of
+from resserve_export.stages.calibrate import run as cal
+from resserve_export.modeling import data
+from resserve_export.modeling import modelio
+from resserve_export.core.errors import UserError
+from resserve_export.modeling.groups import group_linears, is_quantized, linears_of
 
 torch.set_num_threads(2)
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from resserve_export import calibrate as cal
-from resserve_export import modelio
+from resserve_export.stages.calibrate import run as cal
+from resserve_export.modeling import modelio
 from resserve_export.cli import main
-from resserve_export.groups import group_linears, linears_from_shapes
+from resserve_export.modeling.groups import group_linears, linears_from_shapes
 
 from test_calibrate import make_llama, varied_texts, write_jsonl
 

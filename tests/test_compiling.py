@@ -8,8 +8,9 @@ import functools
 import pytest
 import torch
 
-from resserve_export import compiling, formats
-from resserve_export.mxfp4 import ScaleRounding
+from resserve_export.core import compiling
+from resserve_export.formats import ops as formats
+from resserve_export.formats.mxfp4 import ScaleRounding
 
 
 def _scale_add(x: torch.Tensor, *, k: float) -> torch.Tensor:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from resserve_export import formats, mxfp4, nvfp4
+from resserve_export.formats import ops as formats
+from resserve_export.formats import mxfp4
+from resserve_export.formats import nvfp4
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

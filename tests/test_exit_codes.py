@@ -23,8 +23,8 @@ import pytest
 import torch
 from fixtures.tiny import make_calibration, make_scores
 
-from resserve_export.pack import pack
-from resserve_export.ui import LOG_SECONDS_ENV, TEST_STEP_DELAY_ENV
+from resserve_export.stages.pack.run import pack
+from resserve_export.core.ui import LOG_SECONDS_ENV, TEST_STEP_DELAY_ENV
 
 from test_calibrate import make_llama, varied_texts, write_jsonl
 
@@ -184,7 +184,7 @@ def test_unwritable_out_is_refused_before_any_work(llama, packed, texts, tmp_pat
 
 def test_oserror_during_a_run_is_one_line(tmp_path, monkeypatch, capsys):
     """An OSError after the up-front checks (here: the plan file's directory vanishes) names the path."""
-    from resserve_export import plan as P
+    from resserve_export.stages import plan as P
     from resserve_export.cli import main
 
     def boom(*a, **k):

@@ -12,9 +12,9 @@ import pytest
 from fixtures.tiny import make_calibration, make_model, make_scores
 from safetensors.torch import load_file, save_file
 
-from resserve_export import modelio
-from resserve_export.errors import UserError
-from resserve_export.pack import pack
+from resserve_export.modeling import modelio
+from resserve_export.core.errors import UserError
+from resserve_export.stages.pack.run import pack
 
 EXE = str(Path(sys.executable).with_name("resserve-export"))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from resserve_export.fp4 import decode_e2m1, encode_e2m1, encode_e2m1_packed, pack_fp4, unpack_fp4
+from resserve_export.formats.fp4 import decode_e2m1, encode_e2m1, encode_e2m1_packed, pack_fp4, unpack_fp4
 
 # (input already divided by its scale, expected code). One case per representable value, every
 # midpoint between neighbours, values just either side of a midpoint, and saturation.

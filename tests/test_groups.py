@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resserve_export.groups import group_linears, is_quantized
+from resserve_export.modeling.groups import group_linears, is_quantized
 
 
 def test_siblings_of_another_width_get_their_own_group():

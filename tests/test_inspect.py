@@ -8,8 +8,8 @@ import pytest
 from fixtures.tiny import group_list, make_calibration, make_model, plan_fields
 
 from resserve_export.cli import main
-from resserve_export.inspect_ckpt import inspect_checkpoint
-from resserve_export.pack import pack
+from resserve_export.stages.inspect import inspect_checkpoint
+from resserve_export.stages.pack.run import pack
 
 
 @pytest.fixture(scope="module")

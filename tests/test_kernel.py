@@ -14,10 +14,12 @@ import zlib
 import pytest
 import torch
 
-from resserve_export import kernel, kext, registry
-from resserve_export.fp4 import encode_e2m1
-from resserve_export.nvfp4 import global_scale
-from resserve_export.selection import bool_to_mask
+from resserve_export.algorithms import kernel
+from resserve_export.algorithms import kext
+from resserve_export.formats import registry
+from resserve_export.formats.fp4 import encode_e2m1
+from resserve_export.formats.nvfp4 import global_scale
+from resserve_export.algorithms.selection import bool_to_mask
 
 torch.set_num_threads(2)
 

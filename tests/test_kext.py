@@ -6,11 +6,11 @@ import pytest
 import torch
 from conftest import bits
 
-from resserve_export import formats
-from resserve_export.kext import ext_width, extend_weight, extended_activation, extended_width, full_residue, residue
-from resserve_export.nvfp4 import global_scale
-from resserve_export.qtensor import FP4Tensor
-from resserve_export.selection import mask_to_indices, select_mask
+from resserve_export.formats import ops as formats
+from resserve_export.algorithms.kext import ext_width, extend_weight, extended_activation, extended_width, full_residue, residue
+from resserve_export.formats.nvfp4 import global_scale
+from resserve_export.formats.qtensor import FP4Tensor
+from resserve_export.algorithms.selection import mask_to_indices, select_mask
 
 FORMATS = ("nvfp4", "mxfp4")
 PARTIAL = (0.125, 0.25, 0.5)

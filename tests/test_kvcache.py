@@ -16,13 +16,15 @@ import torch
 from fixtures.tiny import make_calibration, make_model, randomized
 from safetensors.torch import load_file, save_file
 
-from resserve_export import calibrate as cal
-from resserve_export import data, kvcache, modelio
-from resserve_export.checkpoint import Checkpoint
+from resserve_export.stages.calibrate import run as cal
+from resserve_export.modeling import data
+from resserve_export.observers import kvcache
+from resserve_export.modeling import modelio
+from resserve_export.storage.checkpoint import Checkpoint
 from resserve_export.cli import main
-from resserve_export.formats import qdq as fp4_qdq
-from resserve_export.pack import pack
-from resserve_export.size import estimate
+from resserve_export.formats.ops import qdq as fp4_qdq
+from resserve_export.stages.pack.run import pack
+from resserve_export.stages.size import estimate
 
 from test_calibrate import make_llama, varied_texts, write_jsonl
 from test_exit_codes import assert_one_line_error, leftovers, run
@@ -385,8 +387,8 @@ def test_verify_refuses_kv_scales_of_another_calibration(models, kv_packed, tmp_
 
 
 def test_a_model_without_k_proj_cannot_carry_kv_scales():
-    from resserve_export.errors import UserError
-    from resserve_export.layout import kv_specs
+    from resserve_export.core.errors import UserError
+    from resserve_export.stages.layout import kv_specs
 
     shapes = {"model.layers.0.self_attn.qkv_proj.weight": ("BF16", (192, 64)), "model.layers.0.mlp.down_proj.weight": ("BF16", (64, 128))}
     with pytest.raises(UserError, match="no attention layers with k_proj / v_proj: it cannot carry KV-cache scales; use --kv-cache none"):
@@ -395,7 +397,7 @@ def test_a_model_without_k_proj_cannot_carry_kv_scales():
 
 
 def test_nvfp4_kv_needs_a_head_dim_multiple_of_16():
-    from resserve_export.errors import UserError
+    from resserve_export.core.errors import UserError
 
     with pytest.raises(UserError, match="head dimension 24 is not a multiple of 16"):
         kvcache.qdq(torch.ones(1, 2, 3, 24), 1.0, "nvfp4")
@@ -433,7 +435,7 @@ def test_checkpoint_with_a_k_scale_but_no_v_scale_is_one_line(models, tmp_path):
 
 
 def test_kv_quantizer_needs_a_scale_for_every_layer(models):
-    from resserve_export.errors import UserError
+    from resserve_export.core.errors import UserError
 
     model = modelio.load_model(models["qwen3"], "float32")
     scales = {"model.layers.0.self_attn": (torch.tensor(0.1), torch.tensor(0.1))}

@@ -19,14 +19,17 @@ from fixtures.tiny import make_calibration
 from safetensors import safe_open
 from torch.nn import functional as F
 
-from resserve_export import calibrate as cal
-from resserve_export import data, formats, modelio, nvfp4
-from resserve_export.checkpoint import read_checkpoint
-from resserve_export.errors import UserError
-from resserve_export.experts import ExpertCollector, expert_blocks, fused_modules
-from resserve_export.pack import pack
-from resserve_export.selection import mask_to_bool
-from resserve_export.size import estimate
+from resserve_export.stages.calibrate import run as cal
+from resserve_export.modeling import data
+from resserve_export.formats import ops as formats
+from resserve_export.modeling import modelio
+from resserve_export.formats import nvfp4
+from resserve_export.storage.checkpoint import read_checkpoint
+from resserve_export.core.errors import UserError
+from resserve_export.modeling.experts import ExpertCollector, expert_blocks, fused_modules
+from resserve_export.stages.pack.run import pack
+from resserve_export.algorithms.selection import mask_to_bool
+from resserve_export.stages.size import estimate
 
 from test_calibrate import add_tokenizer, varied_texts, write_jsonl
 from test_exit_codes import assert_one_line_error, leftovers, run
@@ -334,7 +337,7 @@ def test_pack_quantizes_every_expert_as_the_reference(moe, arch, fmt, tmp_path):
     for r in routers:
         assert stored[f"{r}.weight"].dtype == torch.bfloat16 and torch.equal(stored[f"{r}.weight"], src[f"{r}.weight"])
     # every quantized tensor of the checkpoint is accounted for: attention and dense MLPs too
-    from resserve_export.groups import group_linears, linears_from_shapes
+    from resserve_export.modeling.groups import group_linears, linears_from_shapes
 
     assert sorted(packed) == sorted(m for g in group_linears(linears_from_shapes(shapes)) for m in g.modules)
 
@@ -361,7 +364,7 @@ def test_loaders_decode_expert_tensors(moe, tmp_path):
 @pytest.mark.parametrize("fmt,ratio", [("nvfp4", 0.25), ("mxfp4", 0.125), ("nvfp4", 0.0)])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_size_equals_what_pack_writes(moe, arch, fmt, ratio, tmp_path):
-    from resserve_export.size import shapes_from_config
+    from resserve_export.stages.size import shapes_from_config
 
     model = moe["models"][arch]
     cfg = json.loads((model / "config.json").read_text())
@@ -455,7 +458,7 @@ def test_grad_scores_cover_every_expert(moe, scored):
 
 def test_plan_shares_a_ratio_across_a_layers_experts_or_not(moe, scored, tmp_path):
     from resserve_export import api
-    from resserve_export.experts import expert_parts
+    from resserve_export.modeling.experts import expert_parts
 
     shared = api.plan(scored, 5.0, out=tmp_path / "shared.json", chart=False).data
     per = api.plan(scored, 5.0, out=tmp_path / "per.json", chart=False, moe_ratio="per-expert").data
@@ -479,7 +482,7 @@ def test_plan_shares_a_ratio_across_a_layers_experts_or_not(moe, scored, tmp_pat
 
 def test_token_weighted_costs():
     """--moe-cost tokens weights each expert's weights by E·tokens_e / Σ tokens."""
-    from resserve_export.plan import decision_units
+    from resserve_export.stages.plan import decision_units
 
     def grp(m, n, s):
         return {"modules": [m], "weight_count": n, "scores": {"0": s, "1": s / 2}}
@@ -525,10 +528,10 @@ def test_verify_measures_every_expert(moe, arch, device, tmp_path):
 def test_verify_emulates_experts_and_unfusing_keeps_the_model(moe):
     """The perplexity passes run every expert linear emulated from the checkpoint; the per-expert
     view verify mounts computes what the fused model computes."""
-    from resserve_export.checkpoint import Checkpoint
-    from resserve_export.emulate import EmulatedLinear
-    from resserve_export.experts import unfused
-    from resserve_export.verify import emulated
+    from resserve_export.storage.checkpoint import Checkpoint
+    from resserve_export.algorithms.emulate import EmulatedLinear
+    from resserve_export.modeling.experts import unfused
+    from resserve_export.stages.verify.run import emulated
 
     model = moe["models"]["mixtral"]
     ck_dir = pack(model, _calibrated(moe, "mixtral"), moe["root"] / "ck-mixtral-verify", "nvfp4", ratio=0.25, progress=False).out
@@ -572,9 +575,9 @@ def test_verify_names_a_wrong_expert(moe, tmp_path):
     assert_one_line_error(p, 3, "other weights", "--model")  # the fingerprint tells first
     assert leftovers(tmp_path / "v") == []
     # and the bit-for-bit check names the expert
-    from resserve_export.checkpoint import Checkpoint
-    from resserve_export.experts import unfused
-    from resserve_export.verify import linear_weights, weight_mismatches
+    from resserve_export.storage.checkpoint import Checkpoint
+    from resserve_export.modeling.experts import unfused
+    from resserve_export.stages.verify.run import linear_weights, weight_mismatches
 
     net = modelio.load_model(other)
     with unfused(net, expert_blocks(modelio.tensor_shapes(other))):
@@ -629,7 +632,7 @@ def test_gpu_segment_statistics_equal_the_cpu_reduction():
     """The GPU's segment statistics (a float64 one-hot product per chunk of rows) equal the CPU's
     per-segment reduction: the same amax, sums within float32 accumulation (run here on the CPU,
     with chunks smaller than a segment and empty and all-padding segments)."""
-    from resserve_export import experts
+    from resserve_export.modeling import experts
 
     g = torch.Generator().manual_seed(3)
     lengths = [5, 0, 37, 1, 0, 64, 9]
@@ -662,7 +665,7 @@ def test_triton_segment_statistics_equal_the_exact_sums():
     of the kept rows bit for bit (bf16 rows, sums exact in float64), amax and kept-row counts
     equal; empty and all-padding segments; a non-finite value in a padding row is ignored, one in
     a kept row makes the sum NaN and the amax +inf (so calibration's finiteness check fires)."""
-    from resserve_export import segment_stats
+    from resserve_export.observers import segment_stats
 
     if not segment_stats.available(torch.device("cuda")):
         pytest.skip("needs Triton")

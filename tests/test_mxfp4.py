@@ -10,9 +10,10 @@ from compressed_tensors.quantization.utils.helpers import calculate_qparams
 from modelopt.torch.quantization.qtensor import MXFP4QTensor
 from conftest import bits
 
-from resserve_export import formats, mxfp4
-from resserve_export.fp4 import unpack_fp4
-from resserve_export.mxfp4 import ScaleRounding
+from resserve_export.formats import ops as formats
+from resserve_export.formats import mxfp4
+from resserve_export.formats.fp4 import unpack_fp4
+from resserve_export.formats.mxfp4 import ScaleRounding
 
 
 def _data(kind: str, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:

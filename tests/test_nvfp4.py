@@ -9,8 +9,9 @@ from compressed_tensors.quantization import preset_name_to_scheme
 from modelopt.torch.quantization.qtensor import NVFP4QTensor
 from conftest import bits
 
-from resserve_export import formats, nvfp4
-from resserve_export.fp4 import unpack_fp4
+from resserve_export.formats import ops as formats
+from resserve_export.formats import nvfp4
+from resserve_export.formats.fp4 import unpack_fp4
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("reference", "compiled")

@@ -13,12 +13,14 @@ from conftest import bits
 from fixtures.tiny import group_list, make_calibration, make_model
 from safetensors import safe_open
 
-from resserve_export import formats, modelio, nvfp4
-from resserve_export.checkpoint import Checkpoint, read_checkpoint
-from resserve_export.kext import _compact, ext_width
-from resserve_export.pack import pack
-from resserve_export.qtensor import FP4Tensor
-from resserve_export.selection import mask_to_bool
+from resserve_export.formats import ops as formats
+from resserve_export.modeling import modelio
+from resserve_export.formats import nvfp4
+from resserve_export.storage.checkpoint import Checkpoint, read_checkpoint
+from resserve_export.algorithms.kext import _compact, ext_width
+from resserve_export.stages.pack.run import pack
+from resserve_export.formats.qtensor import FP4Tensor
+from resserve_export.algorithms.selection import mask_to_bool
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,11 @@ import torch
 from fixtures.tiny import make_calibration, make_model, plan_fields
 from safetensors.torch import load_file, save_file
 
-from resserve_export import checkpoint
+from resserve_export.storage import checkpoint
 from resserve_export.cli import main
-from resserve_export.errors import UserError
-from resserve_export.pack import pack
-from resserve_export.ui import TEST_STEP_DELAY_ENV
+from resserve_export.core.errors import UserError
+from resserve_export.stages.pack.run import pack
+from resserve_export.core.ui import TEST_STEP_DELAY_ENV
 
 
 @pytest.fixture(scope="module")

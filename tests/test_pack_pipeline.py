@@ -13,10 +13,10 @@ import pytest
 import torch
 from fixtures.tiny import make_calibration, make_model
 
-from resserve_export import checkpoint
-from resserve_export import pack as pack_module
+from resserve_export.storage import checkpoint
+from resserve_export.stages.pack import run as pack_module
 from resserve_export.cli import main
-from resserve_export.pack import DEPTH_ENV, pack
+from resserve_export.stages.pack.run import DEPTH_ENV, pack
 
 from test_pack_errors import fail_writes_after
 

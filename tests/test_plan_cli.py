@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from resserve_export import modelio
+from resserve_export.modeling import modelio
 
-from resserve_export import plan as P
+from resserve_export.stages import plan as P
 from resserve_export.cli import main
 
 KINDS = [

@@ -11,9 +11,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from resserve_export import formats, mxfp4, nvfp4
-from resserve_export.fp4 import decode_e2m1, encode_e2m1, pack_fp4, unpack_fp4
-from resserve_export.kext import full_residue
+from resserve_export.formats import ops as formats
+from resserve_export.formats import mxfp4
+from resserve_export.formats import nvfp4
+from resserve_export.formats.fp4 import decode_e2m1, encode_e2m1, pack_fp4, unpack_fp4
+from resserve_export.algorithms.kext import full_residue
 
 # RESSERVE_HYPOTHESIS_EXAMPLES raises the example count for a longer hunt than the CI default.
 SETTINGS = settings(max_examples=int(os.environ.get("RESSERVE_HYPOTHESIS_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from resserve_export import registry
+from resserve_export.formats import registry
 
 
 @pytest.mark.parametrize("fmt", list(registry.FORMATS))

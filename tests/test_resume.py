@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from resserve_export import calibrate as cal
-from resserve_export.errors import UserError
-from resserve_export.resume import RESUME_ENV, state_dir
+from resserve_export.stages.calibrate import run as cal
+from resserve_export.core.errors import UserError
+from resserve_export.storage.resume import RESUME_ENV, state_dir
 
 from test_calibrate import varied_texts, write_jsonl
 from test_sequential import make_qwen3
@@ -230,7 +230,7 @@ def test_a_disk_that_refuses_a_resume_point_does_not_end_the_run(setup, referenc
     points: the run goes on without new points, says so, and writes the reference bytes."""
     import errno
 
-    from resserve_export import resume
+    from resserve_export.storage import resume
 
     model, texts = setup
     monkeypatch.setenv(RESUME_ENV, "0")

@@ -6,11 +6,15 @@ import math
 import pytest
 import torch
 
-from resserve_export import scores as S
-from resserve_export.scores import bf16 as B, candidates as C, device as D, kl as K, precision as P
-from resserve_export.emulate import EmulatedLinear, QuantizedWeight, quantized_matmul
-from resserve_export.groups import group_linears, linears_of
-from resserve_export.selection import mode_of
+from resserve_export.algorithms import scores as S
+from resserve_export.algorithms.scores import bf16 as B
+from resserve_export.algorithms.scores import candidates as C
+from resserve_export.algorithms.scores import device as D
+from resserve_export.algorithms.scores import kl as K
+from resserve_export.algorithms.scores import precision as P
+from resserve_export.algorithms.emulate import EmulatedLinear, QuantizedWeight, quantized_matmul
+from resserve_export.modeling.groups import group_linears, linears_of
+from resserve_export.algorithms.selection import mode_of
 
 torch.set_num_threads(2)
 RATIOS = (0.0, 0.125, 0.25, 0.5, 1.0)
@@ -237,8 +241,9 @@ SMOL_LAYERS = (0, 1, 2, 3, 26, 27, 28, 29)
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from resserve_export import data, modelio
-    from resserve_export.calibrate import collect
+    from resserve_export.modeling import data
+    from resserve_export.modeling import modelio
+    from resserve_export.stages.calibrate.run import collect
 
     model_dir = modelio.resolve_model(str(modelio.default_model()))
     model = modelio.load_model(model_dir, dtype="bfloat16")
@@ -254,7 +259,7 @@ def smollm2():
 
 @pytest.mark.slow
 def test_smollm2_budget_plan_beats_uniform(smollm2):
-    from resserve_export import plan as P
+    from resserve_export.stages import plan as P
 
     model, groups, calib, held, stats, cands = smollm2
     scores = S.compute_scores(model, calib, stats, groups, "grad", candidates=cands, show_progress=False)
@@ -325,7 +330,7 @@ def _oracle_scores(model, groups, batches, cands) -> dict:
 
 def _random_layer(fmt, device="cpu", dtype=torch.bfloat16):
     """(Candidates, x, ∂L/∂Y) of a random layer with outlier channels in `dtype` on `device`."""
-    from resserve_export.groups import Group
+    from resserve_export.modeling.groups import Group
 
     torch.manual_seed(3)
     lin = torch.nn.Linear(256, 96, bias=False).to(dtype)
@@ -394,7 +399,7 @@ def test_bytes_per_weight_estimate_covers_the_candidates(split):
     """The memory pool's per-weight estimate against the bytes the candidates of a bf16 layer
     really hold (FP4 tensors, FP32 dequantized weights, and the bf16 path's operands) on a layer
     wide enough for the extensions to have their real widths (K/8, K/4, K/2)."""
-    from resserve_export.groups import Group
+    from resserve_export.modeling.groups import Group
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(1024, 512, bias=False).bfloat16()
@@ -424,7 +429,7 @@ def test_bytes_per_weight_estimate_covers_the_candidates(split):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not __import__("resserve_export.kernel").kernel.KERNEL_AVAILABLE, reason="needs a CUDA GPU and nvcc for the fused kernel")
+@pytest.mark.skipif(not __import__("resserve_export.algorithms.kernel").algorithms.kernel.KERNEL_AVAILABLE, reason="needs a CUDA GPU and nvcc for the fused kernel")
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_fast_prepare_with_the_kernel_is_bit_identical(tiny, fmt):
     """On a GPU `prepare_fast` quantizes through the fused kernel: the same operands as the eager
@@ -603,13 +608,13 @@ def test_scores_ask_the_format_registry():
 # The Triton kernels of the bf16 path on CUDA (`scores.fused`): the reduction against the eager
 # one, the operands bit for bit, and whole scores against the eager path. Stated tolerance: 1e-5
 # relative (the same FP32 products, summed in another order; the operands are the same bits).
-triton_gpu = pytest.mark.skipif(not torch.cuda.is_available() or not __import__("resserve_export.scores.fused").scores.fused.available(torch.device("cuda")), reason="needs a CUDA GPU and Triton")
+triton_gpu = pytest.mark.skipif(not torch.cuda.is_available() or not __import__("resserve_export.algorithms.scores.fused").algorithms.scores.fused.available(torch.device("cuda")), reason="needs a CUDA GPU and Triton")
 
 
 @pytest.mark.gpu
 @triton_gpu
 def test_gpu_fused_reduction_matches_eager(gen):
-    from resserve_export.scores import fused
+    from resserve_export.algorithms.scores import fused
 
     for n, ne in [(5000, 4), (70001, 2), (1, 0), (3 * 16384, 3)]:
         g = torch.randn(n, generator=gen).bfloat16().cuda()
@@ -628,11 +633,11 @@ def test_gpu_fused_reduction_matches_eager(gen):
 @triton_gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_gpu_fused_operands_are_bit_identical(fmt):
-    from resserve_export import registry
-    from resserve_export.emulate import exact_operand
-    from resserve_export.formats import quantize
-    from resserve_export.qtensor import FP4Tensor
-    from resserve_export.scores import fused
+    from resserve_export.formats import registry
+    from resserve_export.algorithms.emulate import exact_operand
+    from resserve_export.formats.ops import quantize
+    from resserve_export.formats.qtensor import FP4Tensor
+    from resserve_export.algorithms.scores import fused
 
     f = registry.get(fmt)
     x = torch.randn(300, 512, device="cuda") * 5
@@ -652,7 +657,7 @@ def test_gpu_fused_kernels_give_the_eager_scores(tiny_bf16, precision, monkeypat
     1e-5 relative of each other on this small model (the stated tolerance, for any model: 2e-4)."""
     import copy
 
-    from resserve_export.scores import fused
+    from resserve_export.algorithms.scores import fused
 
     model, groups, batches, stats = tiny_bf16
     model = copy.deepcopy(model).cuda()

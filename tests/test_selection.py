@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from resserve_export.selection import bool_to_mask, check_ratio, mask_to_bool, mask_to_indices, mode_of, select_mask
+from resserve_export.algorithms.selection import bool_to_mask, check_ratio, mask_to_bool, mask_to_indices, mode_of, select_mask
 
 
 def _reference(mean_abs: torch.Tensor, ratio: float) -> torch.Tensor:

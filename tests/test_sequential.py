@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from resserve_export import calibrate as cal
-from resserve_export import sequential
-from resserve_export.errors import UserError
+from resserve_export.stages.calibrate import run as cal
+from resserve_export.stages.calibrate import sequential
+from resserve_export.core.errors import UserError
 
 from test_awq_pipeline import make_gemma3
 from test_calibrate import add_tokenizer, make_llama, varied_texts, write_jsonl

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from fixtures.tiny import group_list, make_calibration, make_model, plan_fields
 
-from resserve_export.checkpoint import Checkpoint
+from resserve_export.storage.checkpoint import Checkpoint
 from resserve_export.cli import main
-from resserve_export.errors import UserError
-from resserve_export.layout import build_layout, model_groups
-from resserve_export.pack import pack
-from resserve_export.size import estimate, shapes_from_config
+from resserve_export.core.errors import UserError
+from resserve_export.stages.layout import build_layout, model_groups
+from resserve_export.stages.pack.run import pack
+from resserve_export.stages.size import estimate, shapes_from_config
 
 # Qwen3-8B's public architecture (config.json numbers).
 QWEN3_8B = {

@@ -9,15 +9,17 @@ import pytest
 import torch
 from fixtures.tiny import make_calibration, make_model
 
-from resserve_export import kernel, modelio, verify
-from resserve_export.checkpoint import Checkpoint, PackedLinear
+from resserve_export.algorithms import kernel
+from resserve_export.modeling import modelio
+from resserve_export.stages.verify import run as verify
+from resserve_export.storage.checkpoint import Checkpoint, PackedLinear
 from resserve_export.cli import main
-from resserve_export.emulate import QuantizedWeight, quantized_matmul
-from resserve_export.formats import quantize
-from resserve_export.kext import ext_width, extend_weight
-from resserve_export.nvfp4 import global_scale
-from resserve_export.pack import pack
-from resserve_export.selection import mode_of, select_mask
+from resserve_export.algorithms.emulate import QuantizedWeight, quantized_matmul
+from resserve_export.formats.ops import quantize
+from resserve_export.algorithms.kext import ext_width, extend_weight
+from resserve_export.formats.nvfp4 import global_scale
+from resserve_export.stages.pack.run import pack
+from resserve_export.algorithms.selection import mode_of, select_mask
 
 
 def heavy_tailed(T: int, K: int, gen: torch.Generator) -> torch.Tensor:
@@ -82,7 +84,7 @@ def test_evaluate_on_a_tiny_packed_model(tiny_ckpt):
     mask = torch.ones_like(ids)
     mask[1, 20:] = 0  # padding is never captured nor scored
     batches = [{"input_ids": ids, "attention_mask": mask}]
-    from resserve_export.calibrate import load_stats
+    from resserve_export.stages.calibrate.run import load_stats
 
     sal = {m: v["mean_abs"] for m, v in load_stats(calib).items()}
     rep = verify.evaluate(net, ck, batches, sal, device=torch.device("cpu"), max_tokens=1000)
@@ -129,9 +131,9 @@ def test_cli_errors_are_one_line(tiny_ckpt, tmp_path, capsys):
 @pytest.mark.slow
 def test_smollm2_direction_on_real_inputs():
     """Real SmolLM2 inputs (held-out plays), selection from calibration-split salience."""
-    from resserve_export import data
-    from resserve_export.calibrate import collect
-    from resserve_export.groups import group_linears, linears_of
+    from resserve_export.modeling import data
+    from resserve_export.stages.calibrate.run import collect
+    from resserve_export.modeling.groups import group_linears, linears_of
 
     model_dir = modelio.resolve_model(str(modelio.default_model()))
     net = modelio.load_model(model_dir)
@@ -166,7 +168,7 @@ def test_smollm2_direction_on_real_inputs():
 @pytest.mark.gpu
 @pytest.mark.skipif(not kernel.KERNEL_AVAILABLE, reason=f"needs a CUDA GPU and nvcc for the fused kernel: {kernel.KERNEL_UNAVAILABLE_REASON}")
 def test_gpu_run_uses_the_kernel_and_agrees_with_cpu(tiny_ckpt):
-    from resserve_export.calibrate import load_stats
+    from resserve_export.stages.calibrate.run import load_stats
 
     model_dir, calib, ck_dir = tiny_ckpt
     ck = Checkpoint(ck_dir)

@@ -21,13 +21,14 @@ from fixtures.tiny import make_calibration
 from safetensors.torch import load_file, save_file
 from test_calibrate import make_llama, varied_texts, write_jsonl
 
-from resserve_export import modelio, verify
-from resserve_export.checkpoint import Checkpoint
-from resserve_export.errors import CheckpointMismatch, UserError
-from resserve_export.formats import abs_max, quantize
-from resserve_export.kext import extend_weight
-from resserve_export.nvfp4 import global_scale, group_global_scale
-from resserve_export.pack import pack
+from resserve_export.modeling import modelio
+from resserve_export.stages.verify import run as verify
+from resserve_export.storage.checkpoint import Checkpoint
+from resserve_export.core.errors import CheckpointMismatch, UserError
+from resserve_export.formats.ops import abs_max, quantize
+from resserve_export.algorithms.kext import extend_weight
+from resserve_export.formats.nvfp4 import global_scale, group_global_scale
+from resserve_export.stages.pack.run import pack
 
 torch.set_num_threads(2)
 

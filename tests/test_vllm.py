@@ -95,7 +95,7 @@ PPL_RTOL = 0.05
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     torch.set_num_threads(2)
-    from resserve_export import modelio
+    from resserve_export.modeling import modelio
 
     work = tmp_path_factory.mktemp("vllm")
     md = C.model_dir()
@@ -327,8 +327,8 @@ def test_fp8_kv_cache_uses_our_scales(env, ratio, method):
     quantized with those scales in the engine's arithmetic (cpu_attention.fp8_kv_codes): the same
     32 greedy tokens, every held-out logprob to LOGPROB_ATOL. With `verify`'s KV emulation instead
     (round to nearest, as GPU engines store FP8) the perplexity is within KV_PPL_RTOL too."""
-    from resserve_export.checkpoint import Checkpoint
-    from resserve_export.kvcache import KVQuantizer
+    from resserve_export.storage.checkpoint import Checkpoint
+    from resserve_export.observers.kvcache import KVQuantizer
 
     path = kv_ckpt(env, ratio)
     extra = STOCK if method == "stock" else PLUGIN
@@ -418,8 +418,8 @@ def tiny_model(env, arch: str) -> Path:
 def test_kv_scale_names_reach_the_attention_layers(env, arch):
     """Qwen3 (q/k norms) and Gemma 3 (q/k norms, sliding and global layers): vLLM's weight loader
     maps our scale names onto every attention layer, which holds our scales."""
-    from resserve_export import modelio
-    from resserve_export.checkpoint import Checkpoint
+    from resserve_export.modeling import modelio
+    from resserve_export.storage.checkpoint import Checkpoint
 
     md = tiny_model(env, arch)
     calib = C.calibrate(modelio.load_model(md), modelio.load_tokenizer(md), md, env["work"] / f"tiny-{arch}-calib", num_samples=4, seq_len=64)
@@ -468,7 +468,7 @@ def moe(tmp_path_factory):
     """Prompts and held-out windows (the default model's tokenizer, which the tiny MoE models
     share); tiny random Qwen3-MoE and Mixtral models are built on first use."""
     torch.set_num_threads(2)
-    from resserve_export import modelio
+    from resserve_export.modeling import modelio
 
     tok = modelio.load_tokenizer(C.model_dir())
     return {

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from resserve_export.emulate import EmulatedLinear
-from resserve_export.formats import qdq
-from resserve_export.nvfp4 import global_scale
+from resserve_export.algorithms.emulate import EmulatedLinear
+from resserve_export.formats.ops import qdq
+from resserve_export.formats.nvfp4 import global_scale
 
 # The reference models of vLLM's arithmetic are test code (tests/vllm_scripts/), not the package.
 sys.path.insert(0, str(Path(__file__).resolve().parent / "vllm_scripts"))

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..calibrate import CalibConfig
+from resserve_export.stages.calibrate.run import CalibConfig
 
 
 _D = CalibConfig()  # the defaults without --config: the paper preset's values
@@ -103,7 +103,7 @@ def command(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
 ) -> None:
     """Collect per-channel mean |x| and amax of every quantized linear's input, and the planner's sensitivity scores."""
-    from .. import api
+    from resserve_export import api
 
     # Settings left at None take the preset's value (make_config drops them).
     res = api.calibrate(

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..constants import FORMATS
+from resserve_export.formats.constants import FORMATS
 
 
 def command(
@@ -36,7 +36,7 @@ def command(
     """Write an FP4 checkpoint (plain part for stock vLLM + resserve sidecar) from calibration and a ratio or plan."""
     from rich.console import Console
 
-    from ..api import pack
+    from resserve_export.api import pack
 
     res = pack(
         model,

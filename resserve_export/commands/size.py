@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ..constants import FORMATS
+from resserve_export.formats.constants import FORMATS
 
 
 def command(
@@ -24,10 +24,10 @@ def command(
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     """Bytes of the checkpoint `pack` would write, per tensor class and in total, from config.json alone."""
-    from ..ui import console
+    from resserve_export.core.ui import console
     from rich.table import Table
 
-    from ..api import size
+    from resserve_export.api import size
 
     rep = size(config, fmt, ratio=ratio, plan=plan, other_bytes=tokenizer_bytes, max_shard_size=max_shard_size, kv_cache=kv_cache)
     if as_json:

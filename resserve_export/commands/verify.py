@@ -34,8 +34,8 @@ def command(
     """
     from rich.table import Table
 
-    from .. import api
-    from ..ui import console, phases
+    from resserve_export import api
+    from resserve_export.core.ui import console, phases
 
     with phases() as tick:
         rep = api.verify(

@@ -13,6 +13,6 @@ def register() -> None:
 
     if importlib.util.find_spec("vllm") is None:
         return
-    from . import _register
+    from resserve_export.vllm_plugin import _register
 
     _register.register_all()

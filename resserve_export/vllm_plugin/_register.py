@@ -34,16 +34,16 @@ def register_all() -> None:
     from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
     from vllm.platforms import PlatformEnum
 
-    from ..registry import MXFP4, NVFP4
-    from .kernels import CachedEmulationNvFp4LinearKernel, CpuMxfp4LinearKernel
+    from resserve_export.formats.registry import MXFP4, NVFP4
+    from resserve_export.vllm_plugin.kernels import CachedEmulationNvFp4LinearKernel, CpuMxfp4LinearKernel
 
     # Tried in order: the cached variant first, vLLM's own emulation as the fallback.
     register_linear_kernel(CachedEmulationNvFp4LinearKernel, PlatformEnum.CPU, NVFP4.stock_kernel)
     register_linear_kernel(EmulationNvFp4LinearKernel, PlatformEnum.CPU, NVFP4.stock_kernel)
     register_linear_kernel(CpuMxfp4LinearKernel, PlatformEnum.CPU, MXFP4.stock_kernel)
-    from .moe import register_cpu_moe
+    from resserve_export.vllm_plugin.moe import register_cpu_moe
 
     register_cpu_moe()
     if method_enabled():
-        from . import method  # noqa: F401  (registers "resserve" on import)
+        from resserve_export.vllm_plugin import method  # noqa: F401  (registers "resserve" on import)
     _done = True

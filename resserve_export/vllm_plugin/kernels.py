@@ -33,10 +33,10 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import 
 from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp4Dynamic
 from vllm.platforms import current_platform
 
-from ..formats import dequantize, quantize
-from ..mxfp4 import ScaleRounding
-from ..qtensor import FP4Tensor
-from ..registry import MXFP4
+from resserve_export.formats.ops import dequantize, quantize
+from resserve_export.formats.mxfp4 import ScaleRounding
+from resserve_export.formats.qtensor import FP4Tensor
+from resserve_export.formats.registry import MXFP4
 
 DEFAULT_ROUNDING = ScaleRounding.EVEN
 

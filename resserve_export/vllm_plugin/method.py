@@ -42,15 +42,15 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.quantization import get_quantization_config, register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
-from .. import registry
-from ..emulate import quantized_matmul
-from ..experts import ROLES
-from ..formats import dequantize
-from ..mxfp4 import ScaleRounding
-from ..qtensor import FP4Tensor
-from ..selection import mode_of
-from ._register import method_enabled
-from .moe import act_and_mul, routed_rows
+from resserve_export.formats import registry
+from resserve_export.algorithms.emulate import quantized_matmul
+from resserve_export.modeling.experts import ROLES
+from resserve_export.formats.ops import dequantize
+from resserve_export.formats.mxfp4 import ScaleRounding
+from resserve_export.formats.qtensor import FP4Tensor
+from resserve_export.algorithms.selection import mode_of
+from resserve_export.vllm_plugin._register import method_enabled
+from resserve_export.vllm_plugin.moe import act_and_mul, routed_rows
 
 NAME = "resserve"
 DECODE_ROWS_ENV = "RESSERVE_DECODE_ROWS"

@@ -56,8 +56,8 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
 )
 from vllm.platforms import current_platform
 
-from ..mxfp4 import ScaleRounding
-from .kernels import checkpoint_rounding, dequantize_mxfp4, qdq_mxfp4
+from resserve_export.formats.mxfp4 import ScaleRounding
+from resserve_export.vllm_plugin.kernels import checkpoint_rounding, dequantize_mxfp4, qdq_mxfp4
 
 NVFP4_GROUP = 16
 # Under vLLM's logger, whose handlers print its INFO lines (ours would be silent otherwise).

@@ -6,9 +6,10 @@ the ranks merged their statistics)."""
 import os
 import sys
 
-from resserve_export import calibrate, sequential
+from resserve_export.stages.calibrate import run as calibrate
+from resserve_export.stages.calibrate import sequential
 from resserve_export.cli import main
-from resserve_export.errors import UserError
+from resserve_export.core.errors import UserError
 
 rank, where = sys.argv[1], sys.argv[2]
 if os.environ.get("RANK") == rank:

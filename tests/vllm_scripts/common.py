@@ -37,7 +37,7 @@ def texts_dir() -> Path:
 
 
 def model_dir() -> Path:
-    from resserve_export import modelio
+    from resserve_export.modeling import modelio
 
     return modelio.resolve_model(str(modelio.default_model()))
 
@@ -52,8 +52,9 @@ def calibrate(model, tokenizer, mdir: Path, out: Path, num_samples: int = 8, seq
     """A small calibration directory following the calibration contract (salience + json)."""
     from safetensors.torch import save_file
 
-    from resserve_export import kvcache, modelio
-    from resserve_export.groups import group_linears, linears_of
+    from resserve_export.observers import kvcache
+    from resserve_export.modeling import modelio
+    from resserve_export.modeling.groups import group_linears, linears_of
 
     if (out / "calibration.json").exists():
         return out
@@ -116,7 +117,8 @@ def smoothed_reference(
 
     from reference import emulate_model, load_salience
 
-    from resserve_export import awq, modelio
+    from resserve_export.algorithms.awq import smoothing as awq
+    from resserve_export.modeling import modelio
 
     model = modelio.load_model(model_dir_, dtype="bfloat16")
     meta = json.loads((Path(calib) / "calibration.json").read_text())
@@ -128,7 +130,7 @@ def smoothed_reference(
 
 
 def pack(mdir: Path, calib: Path, out: Path, fmt: str, ratio: float, kv_cache: str = "none") -> Path:
-    from resserve_export.pack import pack as run_pack
+    from resserve_export.stages.pack.run import pack as run_pack
 
     if not (out / "config.json").exists():
         run_pack(str(mdir), calib, out, fmt, ratio=ratio, device="cpu", progress=False, kv_cache=kv_cache)
@@ -154,7 +156,7 @@ def reference(
     dtype=torch.bfloat16, attention: str = "hf",
 ):
     """The HF model with emulated linears (see tests/vllm_scripts/reference.py)."""
-    from resserve_export import modelio
+    from resserve_export.modeling import modelio
     from reference import emulate_model, load_salience
 
     model = modelio.load_model(model_dir_, dtype=str(dtype).removeprefix("torch."))
@@ -170,7 +172,7 @@ def moe_reference(model_dir_: Path, calib: Path, fmt: str, ratio: float, *, arit
     from moe_reference import emulate_experts
     from reference import emulate_model, load_salience
 
-    from resserve_export import modelio
+    from resserve_export.modeling import modelio
 
     model = modelio.load_model(model_dir_, dtype="float32")
     salience = load_salience(calib)

@@ -38,10 +38,10 @@ from reference import vllm_nvfp4_qdq
 from torch import nn
 from torch.nn import functional as F
 
-from resserve_export import registry
-from resserve_export.emulate import QuantizedWeight, quantized_matmul
-from resserve_export.formats import dequantize, quantize
-from resserve_export.selection import mode_of, select_mask
+from resserve_export.formats import registry
+from resserve_export.algorithms.emulate import QuantizedWeight, quantized_matmul
+from resserve_export.formats.ops import dequantize, quantize
+from resserve_export.algorithms.selection import mode_of, select_mask
 
 # vLLM's routers: whether the top-k weights are renormalized, by model type.
 RENORMALIZE = {"qwen3_moe": lambda cfg: bool(cfg.norm_topk_prob), "mixtral": lambda cfg: True}
@@ -138,8 +138,8 @@ def emulate_experts(
 ) -> nn.Module:
     """Replace the router and experts of every MoE block of `model` (in place; see the module
     docstring). `salience` is :func:`reference.load_salience` of the calibration."""
-    from resserve_export import modelio
-    from resserve_export.experts import expert_blocks, fused_modules
+    from resserve_export.modeling import modelio
+    from resserve_export.modeling.experts import expert_blocks, fused_modules
 
     if arithmetic == "vllm" and ratio != 0:
         raise ValueError("the 'vllm' arithmetic models stock vLLM, which serves plain W4A4 only")

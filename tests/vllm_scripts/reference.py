@@ -31,12 +31,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from resserve_export import registry
-from resserve_export.emulate import EmulatedLinear, replace_linear
-from resserve_export.constants import F4_E2M1_MAX, F8_E4M3_MAX, NVFP4_BLOCK
-from resserve_export.formats import dequantize, quantize
-from resserve_export.fp4 import decode_e2m1, encode_e2m1
-from resserve_export.selection import select_mask
+from resserve_export.formats import registry
+from resserve_export.algorithms.emulate import EmulatedLinear, replace_linear
+from resserve_export.formats.constants import F4_E2M1_MAX, F8_E4M3_MAX, NVFP4_BLOCK
+from resserve_export.formats.ops import dequantize, quantize
+from resserve_export.formats.fp4 import decode_e2m1, encode_e2m1
+from resserve_export.algorithms.selection import select_mask
 
 ARITHMETICS = ("fp32", "vllm")
 ATTENTIONS = ("hf", "vllm-cpu")
@@ -104,7 +104,7 @@ def emulate_model(
 ) -> nn.Module:
     """Replace every quantized linear of `model` in place; `ratios` is one ρ or ``{group name: ρ}``;
     ``attention="vllm-cpu"`` also swaps in the CPU engine's rotary / attention arithmetic."""
-    from resserve_export.groups import group_linears, linears_of
+    from resserve_export.modeling.groups import group_linears, linears_of
 
     if arithmetic not in ARITHMETICS:
         raise ValueError(f"unknown arithmetic {arithmetic!r}, choose one of {list(ARITHMETICS)}")

@@ -1,0 +1,1 @@
+"""Layer 5: channel selection and K-Ext, emulated linears, the CUDA kernel binding, AWQ, planner scores."""

@@ -1,0 +1,267 @@
+"""The fused quantize-and-extend kernel (SPEC §11) and its PyTorch reference.
+
+`quantize_extend(x, mask, ratio, fmt, ...)` returns exactly what `kext.extended_activation`
+returns — ``[X̂ | R̂_S | 0]`` as one `FP4Tensor` — and `quantize_full` what `kext.full_residue`
+returns. Backends: ``reference`` (the eager PyTorch functions, any device), ``cuda`` (the kernel
+in ``kernels/``, built just in time for the GPU present) and ``auto`` (the kernel for CUDA inputs
+when it can run, else the reference; ``RESSERVE_BACKEND=reference`` forces the reference).
+
+Whether the kernel can run is decided once at import (`KERNEL_AVAILABLE`, with the reason in
+`KERNEL_UNAVAILABLE_REASON`); asking for ``backend="cuda"`` without it raises `KernelUnavailable`
+saying what is needed. The build itself happens on first use (about a minute) and is cached by
+PyTorch's extension builder.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from resserve_export.algorithms import kext
+from resserve_export.formats import registry
+from resserve_export.formats.constants import SELECTION_GROUP
+from resserve_export.core.errors import UserError
+from resserve_export.formats.mxfp4 import ScaleRounding
+from resserve_export.formats.nvfp4 import global_scale
+from resserve_export.formats.qtensor import FP4Tensor
+from resserve_export.algorithms.selection import check_ratio
+
+BACKENDS = ("auto", "cuda", "reference")
+_ROUNDING_CODE = {ScaleRounding.CEIL: 0, ScaleRounding.FLOOR: 1, ScaleRounding.EVEN: 2}
+_SOURCES = ("quantize_extend.cu", "binding.cpp")
+# Compiler flags: no fast math, and no multiply fused into an add anywhere (SPEC §3 order).
+CUDA_FLAGS = ("-O3", "-std=c++17", "-fmad=false")
+# Rows each thread loads before computing (1, 2 or 4): more bytes in flight per thread.
+DEFAULT_ROWS = int(os.environ.get("RESSERVE_KERNEL_ROWS", "4"))
+# Cap on CTAs per launch: > 0 at most that many, 0 none, < 0 as many as are resident at once
+# (occupancy x SMs, one wave); capped CTAs loop over rows. Unset: 16 per SM, the fastest in
+# bench/kernel.py's scan on the H200 (one-wave and uncapped grids were 2-12% slower).
+_MAX_CTAS_ENV = os.environ.get("RESSERVE_KERNEL_MAX_CTAS")
+CTAS_PER_SM = 16
+
+
+@functools.lru_cache(maxsize=None)
+def default_max_ctas(device_index: int) -> int:
+    if _MAX_CTAS_ENV is not None:
+        return int(_MAX_CTAS_ENV)
+    return CTAS_PER_SM * torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+class KernelUnavailable(UserError):
+    """The CUDA kernel was asked for but cannot run here."""
+
+
+def kernels_dir() -> Path | None:
+    """Directory holding the CUDA sources: ``$RESSERVE_KERNELS_DIR`` or ``<repo>/kernels``."""
+    env = os.environ.get("RESSERVE_KERNELS_DIR")
+    candidates = [Path(env)] if env else []
+    candidates.append(Path(__file__).resolve().parents[2] / "kernels")  # a source checkout
+    candidates.append(Path(__file__).resolve().parents[1] / "_kernels")  # an installed wheel
+    for d in candidates:
+        if all((d / s).is_file() for s in _SOURCES):
+            return d
+    return None
+
+
+def _unavailable_reason() -> str | None:
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        return "the fused kernel needs a CUDA GPU and a CUDA build of PyTorch"
+    if kernels_dir() is None:
+        return "the kernel sources (kernels/quantize_extend.cu, kernels/binding.cpp) were not found; set RESSERVE_KERNELS_DIR"
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None and shutil.which("nvcc") is None:
+        return "building the fused kernel needs the CUDA compiler nvcc (set CUDA_HOME)"
+    return None
+
+
+KERNEL_UNAVAILABLE_REASON = _unavailable_reason()
+KERNEL_AVAILABLE = KERNEL_UNAVAILABLE_REASON is None
+
+
+@functools.lru_cache(maxsize=None)
+def _extension():
+    """Build (or load the cached build of) the extension for the GPU present."""
+    if not KERNEL_AVAILABLE:
+        raise KernelUnavailable(KERNEL_UNAVAILABLE_REASON)
+    from torch.utils.cpp_extension import load
+
+    major, minor = torch.cuda.get_device_capability()
+    os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
+    d = kernels_dir()
+    return load(
+        name=f"resserve_qext_sm{major}{minor}",
+        sources=[str(d / s) for s in _SOURCES],
+        extra_cflags=["-O3", "-std=c++17"],
+        extra_cuda_cflags=list(CUDA_FLAGS),
+        verbose=os.environ.get("RESSERVE_KERNEL_VERBOSE") == "1",
+    )
+
+
+def _pick(x: torch.Tensor, backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}, available: {list(BACKENDS)}")
+    if backend == "cuda":
+        if not KERNEL_AVAILABLE:
+            raise KernelUnavailable(KERNEL_UNAVAILABLE_REASON)
+        if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"backend='cuda' needs a bfloat16/float16 CUDA tensor, got {x.dtype} on {x.device}")
+        return "cuda"
+    if backend == "reference" or os.environ.get("RESSERVE_BACKEND", "") == "reference":
+        return "reference"
+    ok = KERNEL_AVAILABLE and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    return "cuda" if ok else "reference"
+
+
+def backend_for(x: torch.Tensor, backend: str = "auto") -> str:
+    """Which backend `quantize_extend` would use for `x` (``cuda`` or ``reference``)."""
+    return _pick(x, backend)
+
+
+def _alpha(x: torch.Tensor, alpha) -> torch.Tensor:
+    if alpha is None:
+        # amax / 2688 as one true FP32 division (a CUDA division by a Python scalar would be a
+        # multiplication by its reciprocal).
+        return global_scale(x.abs().amax().float().cpu()).to(x.device)
+    return torch.as_tensor(alpha, dtype=torch.float32).reshape(()).to(x.device)
+
+
+def _check_mask(mask: torch.Tensor, K: int, k: int, device, count: bool = True) -> torch.Tensor:
+    """The mask as a contiguous uint8 vector on `device`; `count`: also check that every byte
+    selects k channels (a reduction read back to the host: a GPU sync per call)."""
+    if mask.dtype != torch.uint8 or mask.numel() != K // SELECTION_GROUP:
+        raise ValueError(f"mask must be uint8 [{K // SELECTION_GROUP}], got {mask.dtype} {tuple(mask.shape)}")
+    mask = mask.reshape(-1).to(device).contiguous()
+    if count:
+        bits = torch.stack([(mask >> b) & 1 for b in range(SELECTION_GROUP)]).sum(0)
+        if not bool((bits == k).all()):
+            raise ValueError(f"every mask byte must select exactly {k} channels for this ratio")
+    return mask
+
+
+def _run(x: torch.Tensor, mask, ksel: int, fmt: str, alpha, rounding: ScaleRounding, K_E: int, out=None, rows=None, max_ctas=None):
+    """Launch the kernel on 2-D contiguous x; returns (codes, scales, rcodes, rscales) as uint8."""
+    M, K = x.shape
+    f = registry.get(fmt)
+    b = f.block
+    dev = x.device
+    if out is None:
+        out = (
+            torch.empty((M, (K + K_E) // 2), dtype=torch.uint8, device=dev),
+            torch.empty((M, (K + K_E) // b), dtype=torch.uint8, device=dev),
+            torch.empty((M, K // 2) if ksel == 8 else (0, 0), dtype=torch.uint8, device=dev),
+            torch.empty((M, K // b) if ksel == 8 else (0, 0), dtype=torch.uint8, device=dev),
+        )
+    empty = torch.empty(0, dtype=torch.uint8, device=dev)
+    a = alpha if alpha is not None else torch.zeros((), dtype=torch.float32, device=dev)
+    _extension().quantize_extend_out(
+        x, mask if mask is not None else empty, a, *out, ksel, f.kernel_code, _ROUNDING_CODE[rounding], K_E,
+        DEFAULT_ROWS if rows is None else rows,
+        default_max_ctas(x.device.index if x.device.index is not None else torch.cuda.current_device()) if max_ctas is None else max_ctas,
+    )
+    return out
+
+
+def _as_fp4(fmt: str, codes, scales, alpha, lead) -> FP4Tensor:
+    f = registry.get(fmt)
+    scales = f.as_scales(scales)
+    return FP4Tensor(
+        f.name, codes.reshape(*lead, codes.shape[-1]), scales.reshape(*lead, scales.shape[-1]), alpha if f.has_tensor_scale else None
+    )
+
+
+def _prepare(x: torch.Tensor, fmt: str, alpha):
+    f = registry.get(fmt)
+    K = x.shape[-1]
+    if K % f.block:
+        raise ValueError(f"last dim {K} is not a multiple of the {f.name} block size {f.block}")
+    x2 = x.reshape(-1, K)
+    if not x2.is_contiguous() or x2.data_ptr() % 16:
+        x2 = x2.contiguous().clone() if x2.is_contiguous() else x2.contiguous()
+    a = _alpha(x2, alpha) if f.has_tensor_scale else None
+    return x2, a
+
+
+def quantize_extend(
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    ratio: float,
+    fmt: str,
+    alpha: torch.Tensor | float | None = None,
+    rounding: ScaleRounding | str = ScaleRounding.CEIL,
+    backend: str = "auto",
+    check_mask: bool = True,
+) -> FP4Tensor:
+    """``[X̂ | R̂_S | 0]`` for activations x ``[..., K]``: same result as `kext.extended_activation`.
+
+    Ratio 0 and 1 return X̂ alone (for 1 use `quantize_full` to get R̂ too). `mask` (uint8
+    ``[K/8]``) is needed for partial ratios; `alpha` is the NVFP4 input scale (None: amax(x)/2688).
+    `check_mask=False` skips counting the mask's bits (a GPU sync), for callers whose masks
+    were checked when they were built.
+    """
+    ratio = check_ratio(ratio)
+    rounding = ScaleRounding(rounding)
+    if _pick(x, backend) == "reference":
+        if registry.get(fmt).has_tensor_scale:
+            alpha = _alpha(x, alpha)
+        # On the CPU, large tensors take formats.quantize's compiled (bit-identical) path.
+        backend = "auto" if x.device.type == "cpu" else "reference"
+        return kext.extended_activation(x, mask, ratio, fmt, alpha=alpha, rounding=rounding, backend=backend)
+    x2, a = _prepare(x, fmt, alpha)
+    K = x2.shape[-1]
+    K_E = kext.ext_width(K, ratio, fmt)
+    ksel = int(ratio * SELECTION_GROUP) if K_E else 0
+    m = None
+    if ksel:
+        if mask is None:
+            raise ValueError("a partial ratio needs a mask")
+        m = _check_mask(mask, K, ksel, x2.device, count=check_mask)
+    codes, scales, _, _ = _run(x2, m, ksel, fmt, a, rounding, K_E)
+    return _as_fp4(fmt, codes, scales, a, x.shape[:-1])
+
+
+def quantize_full(
+    x: torch.Tensor,
+    fmt: str,
+    alpha: torch.Tensor | float | None = None,
+    rounding: ScaleRounding | str = ScaleRounding.CEIL,
+    backend: str = "auto",
+) -> tuple[FP4Tensor, FP4Tensor]:
+    """(X̂, R̂) for full compensation: same result as `kext.full_residue`."""
+    rounding = ScaleRounding(rounding)
+    if _pick(x, backend) == "reference":
+        if registry.get(fmt).has_tensor_scale:
+            alpha = _alpha(x, alpha)
+        backend = "auto" if x.device.type == "cpu" else "reference"
+        return kext.full_residue(x, fmt, alpha=alpha, rounding=rounding, backend=backend)
+    x2, a = _prepare(x, fmt, alpha)
+    codes, scales, rcodes, rscales = _run(x2, None, 8, fmt, a, rounding, 0)
+    lead = x.shape[:-1]
+    return _as_fp4(fmt, codes, scales, a, lead), _as_fp4(fmt, rcodes, rscales, a, lead)
+
+
+def quantize_extend_raw(x: torch.Tensor, mask, ksel: int, fmt: str, alpha, rounding, K_E: int, out, rows=None, max_ctas=None) -> None:
+    """Launch into caller-provided uint8 outputs (tests poison them; the benchmark reuses them).
+
+    x: contiguous 2-D CUDA bf16/fp16; out = (codes, scales, rcodes, rscales); ksel 0/1/2/4/8;
+    rows: rows per thread (1, 2, 4; default `DEFAULT_ROWS`); max_ctas: cap on CTAs (0: none;
+    < 0: the CTAs resident at once; default `default_max_ctas`).
+    """
+    _run(x, mask, ksel, fmt, alpha, ScaleRounding(rounding), K_E, out=out, rows=rows, max_ctas=max_ctas)
+
+
+__all__ = [
+    "BACKENDS",
+    "KERNEL_AVAILABLE",
+    "KERNEL_UNAVAILABLE_REASON",
+    "KernelUnavailable",
+    "backend_for",
+    "kernels_dir",
+    "quantize_extend",
+    "quantize_full",
+    "quantize_extend_raw",
+]

@@ -1,0 +1,341 @@
+"""A group's quantized candidates: the emulated FP4 weights of its members at every candidate
+ratio, and the products of an input with them.
+
+`Candidates` owns what one decision group needs to be scored: the group's shared α (input α
+from the calibrated amax, the one fused-group weight α), the selection mask per ratio, the base
+quantization of each member (shared by every ratio) and the K-Ext extensions, all built once,
+as `emulate.QuantizedWeight` builds them. On top of that it gives
+
+- the FP32 products of `emulate.quantized_matmul`, bit for bit (`outputs`, `prepare` +
+  `member_outputs`), which the KL scores and the fp32 grad path use;
+- the bf16 path's operands and per-member squared sums (`prepare_fast`, `member_sums_fast`),
+  the layouts and backends of which are described in `bf16`;
+- the model surgery that runs a model with the group at one ratio (`installed`, through
+  `emulate.swapped`; `quantized` for a whole plan).
+
+Everything format-specific is asked of the format's `registry.Format`. `build_candidates` builds
+them for every group at once; `pool.CandidatePool` builds them on demand under a memory budget.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import ExitStack, contextmanager
+
+import torch
+from torch import nn
+
+from resserve_export.formats import registry
+from resserve_export.formats.constants import RATIOS
+from resserve_export.algorithms.emulate import QuantizedWeight, exact_operand, quantized_matmul, quantized_residue_operand, residue_weight, swapped
+from resserve_export.formats.ops import dequantize, quantize
+from resserve_export.modeling.groups import Group
+from resserve_export.algorithms.kext import extend_weight, residue
+from resserve_export.formats.mxfp4 import ScaleRounding
+from resserve_export.formats.qtensor import FP4Tensor
+from resserve_export.algorithms.selection import check_ratio, mask_to_indices, mode_of, select_mask
+from resserve_export.algorithms.scores import fused
+from resserve_export.algorithms.scores.bf16 import _PREPARE_ROWS, _base_operand, _compiled_prepare, _mm_f32, _prepare_backend, _split_base, _sq_sums, _sq_sums_split
+
+
+class Candidates:
+    """Emulated FP4 weights of one group's members for each candidate ratio.
+
+    Fused members share the group's weight α (max amax over the members, SPEC §3) and the input α
+    from the calibrated amax. The base quantization is computed once per member and shared by
+    every ratio (plain and full use it alone; partial ratios add their K-Ext extension), exactly
+    as `QuantizedWeight` builds it (tests check the two bit for bit).
+    """
+
+    def __init__(self, model: nn.Module, group: Group, stats: dict, ratios, fmt: str | registry.Format, rounding: ScaleRounding):
+        self.format = registry.get(fmt)
+        self.group, self.fmt, self.rounding = group, self.format.name, ScaleRounding(rounding)
+        self.ratios = sorted({check_ratio(r) for r in ratios})
+        self.linears = [model.get_submodule(m) for m in group.modules]
+        st = stats[group.modules[0]]
+        mean_abs = torch.as_tensor(st["mean_abs"], dtype=torch.float32)
+        amax = torch.as_tensor(st["amax"], dtype=torch.float32)
+        self.input_alpha = self.format.input_alpha(amax)  # None without a tensor scale
+        weight_alpha = self.format.weight_alpha(lin.weight.detach() for lin in self.linears)
+        self.masks = {r: select_mask(mean_abs, r) for r in self.ratios}
+        base = [
+            QuantizedWeight(lin.weight.detach(), self.format, ratio=0.0, weight_alpha=weight_alpha, rounding=self.rounding)
+            for lin in self.linears
+        ]
+        # qw[r][i]: member i at ratio r.
+        self.qw: dict[float, list[QuantizedWeight]] = {}
+        for r in self.ratios:
+            if mode_of(r) == "k_ext":
+                self.qw[r] = [_extended(b, lin.weight.detach(), r, self.masks[r]) for b, lin in zip(base, self.linears)]
+            else:
+                self.qw[r] = base
+        self.backend = "auto"
+        self.biases = [None if lin.bias is None else lin.bias.detach().float() for lin in self.linears]
+
+    def outputs(self, x: torch.Tensor, r: float, i: int) -> torch.Tensor:
+        """Emulated FP4 output of member i at ratio r for x ``[M, K]`` (FP32, bias added)."""
+        y = quantized_matmul(x, self.qw[r][i], input_alpha=self.input_alpha, mode=mode_of(r))
+        return y if self.biases[i] is None else y + self.biases[i]
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[float, torch.Tensor]]:
+        """Per-input work shared by every member and ratio: X̂ (dequantized) and, per compensated
+        ratio, the quantized-dequantized residue (all of it for full, the compacted selection for
+        partial ratios).
+
+        Large inputs go through the compiled quantizer (`formats.quantize(backend="auto")`, bit-identical
+        to the reference that `quantized_matmul` calls; ``RESSERVE_BACKEND=reference`` forces it)."""
+        xq = quantize(x, self.fmt, alpha=self.input_alpha, rounding=self.rounding, backend=self.backend)
+        xd = dequantize(xq)
+        res = residue(x, xq)
+        extra: dict[float, torch.Tensor] = {}
+        for r in self.ratios:
+            mode = mode_of(r)
+            if mode != "plain":
+                width = residue_weight(self.qw[r][0], mode).shape[-1]
+                extra[r] = dequantize(
+                    quantized_residue_operand(res, xq, mode, mask=self.masks[r], width=width, rounding=self.rounding, backend=self.backend)
+                )
+        return xd, extra
+
+    def member_outputs(self, prepared, i: int):
+        """Yield ``(ratio, output)`` of member i for every candidate ratio, bit for bit equal to
+        `outputs`: the operations of `emulate.quantized_matmul` in the same order, with X̂Ŵᵀ
+        computed once for all ratios."""
+        xd, extra = prepared
+        w = self.qw[self.ratios[0]][i].w
+        base = xd @ w.T
+        for r in self.ratios:
+            mode = mode_of(r)
+            y = base if mode == "plain" else base + extra[r] @ residue_weight(self.qw[r][i], mode).T
+            yield r, (y if self.biases[i] is None else y + self.biases[i])
+
+    # -- bf16 fast path of the grad scores ---------------------------------------------------
+    #
+    # Every candidate product as a bf16 GEMM on the exact FP4 operands, with FP32 accumulation,
+    # in the fused layout (one GEMM of width 3K) or the split one (two FP32-output GEMMs, CUDA):
+    # see the `bf16` module for the layouts, the reductions and the preparation backends.
+
+    def _fast_weights(self, i: int, split: bool = False):
+        """Member i's bf16 weight operands, built once for the group per layout: fused
+        ``([Ŵ' | −H | −L], {ρ: residue weight'})`` (L kept for every member when any member needs
+        it) or split ``((Ŵ', W), {ρ: residue weight'})`` with W the module's weight itself."""
+        caches = self.__dict__.setdefault("_fast_cache", {})
+        cache = caches.get(split)
+        if cache is None:
+            cache = caches[split] = self._build_fast_weights(split)
+        return cache[i]
+
+    def _build_fast_weights(self, split: bool) -> list:
+        built, need_lo = [], False
+        for k, lin in enumerate(self.linears):
+            w_exact = exact_operand(self.qw[self.ratios[0]][k].base)
+            res = {}
+            for r in self.ratios:
+                mode = mode_of(r)
+                if mode == "full":
+                    res[r] = w_exact
+                elif mode == "k_ext":
+                    res[r] = exact_operand(self.qw[r][k].ext)
+            if split:
+                built.append(((w_exact, lin.weight.detach()), res))
+                continue
+            w = lin.weight.detach().float() / self._c()
+            hi = w.to(torch.bfloat16)
+            lo = (w - hi.float()).to(torch.bfloat16)
+            need_lo = need_lo or bool(lo.any())
+            built.append((w_exact, hi, lo, res))
+        if split:
+            return built
+        cache = []
+        for we, hi, lo, res in built:
+            b0 = torch.cat([we, -hi] + ([-lo] if need_lo else []), dim=1)
+            # Full compensation multiplies Ŵ' itself: a view into b0, not a second copy.
+            cache.append((b0, {r: b0[:, : we.shape[1]] if w is we else w for r, w in res.items()}))
+        return cache
+
+    def _c(self) -> torch.Tensor:
+        """c = α_x · α_w in FP32 (1 for MXFP4)."""
+        if self.input_alpha is None:
+            return torch.ones((), dtype=torch.float32)
+        return (self.input_alpha.float() * self.qw[self.ratios[0]][0].base.global_scale.float()).reshape(())
+
+    def _c_on(self, device: torch.device) -> tuple[torch.Tensor, float]:
+        """(c as an FP32 tensor on `device`, c² as a Python float), computed once per device: read
+        per member and batch, they would otherwise cost a host sync each time."""
+        per = self.__dict__.setdefault("_c_cache", {})
+        if device not in per:
+            c = self._c()
+            per[device] = (c.to(device), float(c) ** 2)
+        return per[device]
+
+    def _fast_spec(self):
+        """(compensated ratios, their modes, index tensors and residue widths) for `prepare_fast`."""
+        spec = self.__dict__.get("_fast_spec_cache")
+        if spec is None:
+            comp = [r for r in self.ratios if mode_of(r) != "plain"]
+            modes = tuple(mode_of(r) for r in comp)
+            idx = [mask_to_indices(self.masks[r]) if m == "k_ext" else None for r, m in zip(comp, modes)]
+            widths = tuple(residue_weight(self.qw[r][0], m).shape[-1] for r, m in zip(comp, modes))
+            spec = self._fast_spec_cache = (comp, modes, idx, widths)
+        return spec
+
+    def prepare_fast(self, x: torch.Tensor, backend: str | None = None, split: bool | None = None):
+        """`prepare` for the bf16 path: the base operand(s) and the residue operands R̂'_ρ in bf16
+        (the quantizations of `prepare` with α factored out). The base is ``[X̂' | X | X]``
+        (``[X̂' | X]`` without L) in the fused layout, the pair ``(X̂', X)`` in the split one
+        (`split` None: `_split_base` decides; see the layouts above).
+
+        backend ``compiled`` (auto on CPU for inputs ≥ 2^16 elements) runs the whole preparation as
+        one `torch.compile` graph of the same format-core functions (bit-identical, tested);
+        ``kernel`` (auto for bf16/fp16 CUDA inputs) the fused CUDA kernel (bit-identical, tested);
+        ``reference`` composes the eager calls (`formats.quantize`, `emulate.quantized_residue_operand`).
+        """
+        comp, modes, idx, widths = self._fast_spec()
+        split = _split_base(x, self.linears) if split is None else split
+        twice = not split and self._fast_weights(0)[0].shape[1] > 2 * x.shape[-1]
+        backend = backend or self.backend
+        if backend == "auto":
+            backend = _prepare_backend(x)
+        if backend == "kernel":
+            xhat, extra = self._prepare_with_kernel(x, comp, modes, widths)
+            return _base_operand(xhat, x, split, twice), extra
+        if backend == "compiled":
+            fn = _compiled_prepare(self.fmt, self.rounding, modes, widths, twice)
+            alpha = (self.input_alpha if self.input_alpha is not None else torch.ones(())).float().reshape(())
+            idx = [i for i in idx if i is not None]
+            # Fixed-size row chunks (the last one zero-padded): one compiled graph serves every M.
+            M, K = x.shape
+            a0 = x.new_empty((M, (3 if twice else 2) * K), dtype=torch.bfloat16)
+            ops = [x.new_empty((M, w), dtype=torch.bfloat16) for w in widths]
+            for start in range(0, M, _PREPARE_ROWS):
+                chunk = x[start : start + _PREPARE_ROWS]
+                rows = chunk.shape[0]
+                if rows < _PREPARE_ROWS:
+                    chunk = torch.cat([chunk, chunk.new_zeros((_PREPARE_ROWS - rows, K))])
+                a, o = fn(chunk, alpha, idx)
+                a0[start : start + rows] = a[:rows]
+                for dst, src in zip(ops, o):
+                    dst[start : start + rows] = src[:rows]
+            return ((a0[:, :K], x) if split else a0), dict(zip(comp, ops))
+        xq = quantize(x, self.fmt, alpha=self.input_alpha, rounding=self.rounding, backend=backend)
+        res = residue(x, xq)
+        extra: dict[float, torch.Tensor] = {}
+        for r, mode, width in zip(comp, modes, widths):
+            rq = quantized_residue_operand(
+                res, xq, mode, mask=self.masks[r], width=width, rounding=self.rounding, backend=backend
+            )
+            extra[r] = exact_operand(rq)
+        return _base_operand(exact_operand(xq), x, split, twice), extra
+
+    def _prepare_with_kernel(self, x, comp, modes, widths):
+        """(X̂', {ρ: R̂'_ρ}) through the fused CUDA kernel (bit-identical to the reference: it is
+        checked against `kext.extended_activation` / `kext.full_residue` bit for bit): one launch
+        per compensated ratio gives X̂ and that ratio's residue operand (bf16 through `_exact`)."""
+        from resserve_export.algorithms import kernel
+
+        K = x.shape[-1]
+        b = self.format.block
+        dev = self.__dict__.setdefault("_kernel_args", {})
+        if x.device not in dev:  # α and the masks on the GPU once, not per call
+            alpha = None if self.input_alpha is None else self.input_alpha.to(x.device)
+            dev[x.device] = (alpha, {r: m.to(x.device) for r, m in self.masks.items()})
+        alpha, masks = dev[x.device]
+        xq, extra = None, {}
+        for r, mode, width in zip(comp, modes, widths):
+            if mode == "full":
+                base, rq = kernel.quantize_full(x, self.fmt, alpha=alpha, rounding=self.rounding, backend="cuda")
+            else:
+                q = kernel.quantize_extend(
+                    x, masks[r], r, self.fmt, alpha=alpha, rounding=self.rounding, backend="cuda", check_mask=False
+                )
+                base = FP4Tensor(q.fmt, q.codes[:, : K // 2], q.scales[:, : K // b], q.global_scale)
+                rq = FP4Tensor(q.fmt, q.codes[:, K // 2 :], q.scales[:, K // b :], q.global_scale)
+                assert rq.shape[-1] == width
+            xq = base if xq is None else xq
+            extra[r] = self._exact(rq)
+        if xq is None:
+            xq = quantize(x, self.fmt, alpha=alpha, rounding=self.rounding, backend="reference")
+        return self._exact(xq), extra
+
+    def _exact(self, q: FP4Tensor) -> torch.Tensor:
+        """`emulate.exact_operand(q)`, through one Triton kernel where it runs (`fused.exact_bf16`,
+        bit for bit the same values)."""
+        return fused.exact_bf16(q, self.format) if fused.available(q.codes.device) else exact_operand(q)
+
+    def member_sums_fast(self, prepared, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """[Σ (∂L/∂Y ⊙ (Y_q(ρ) − Y))² for ρ in `ratios`] of member i, float64 on grad's device, for a
+        `prepare_fast` and ∂L/∂Y ``[M, N]``. No host sync: the caller accumulates these on the
+        device and reads them once (a sync per linear in the backward pass stalls the GPU)."""
+        base, extra = prepared
+        comp = self._fast_spec()[0]
+        split = isinstance(base, tuple)
+        b0, wres = self._fast_weights(i, split)
+        es = [(extra[r] @ wres[r].T).reshape(-1) for r in comp]
+        c, c2 = self._c_on(grad.device)
+        if split:
+            p = _mm_f32(base[0], b0[0])
+            y = _mm_f32(base[1], b0[1])
+            sums = _sq_sums_split(grad.reshape(-1), p.reshape(-1), y.reshape(-1), c, *es).double()
+        else:
+            d0 = base @ b0.T
+            sums = _sq_sums(grad.reshape(-1), d0.reshape(-1), *es).double() * c2
+        # sums: [plain, then the compensated ratios in order]; `ratios` is sorted, so it is the
+        # whole vector when it holds ratio 0 and the tail otherwise.
+        first = 0 if mode_of(self.ratios[0]) == "plain" else 1
+        return sums[first : first + len(self.ratios)]
+
+    def member_scores_fast(self, prepared, i: int, grad: torch.Tensor) -> dict[float, float]:
+        """{ρ: Σ (∂L/∂Y ⊙ (Y_q(ρ) − Y))²} of member i (`member_sums_fast` read back)."""
+        return dict(zip(self.ratios, self.member_sums_fast(prepared, i, grad).tolist()))
+
+    @contextmanager
+    def installed(self, model: nn.Module, r: float):
+        """Swap the group's linears for their emulated FP4 version at ratio r (restored on exit)."""
+        cand = self
+
+        class _Emulated(nn.Module):
+            def __init__(self, i: int, lin: nn.Linear):
+                super().__init__()
+                self.i, self.out_features = i, lin.out_features
+
+            def forward(self, x):
+                shape = x.shape
+                y = cand.outputs(x.reshape(-1, shape[-1]), r, self.i)
+                return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+        with swapped(model, {name: _Emulated(i, lin) for i, (name, lin) in enumerate(zip(self.group.modules, self.linears))}):
+            yield
+
+
+def _extended(base: QuantizedWeight, weight: torch.Tensor, ratio: float, mask: torch.Tensor) -> QuantizedWeight:
+    """`base` plus the K-Ext extension for a partial ratio: what ``QuantizedWeight(weight, ...,
+    ratio=ratio, mask=mask)`` builds, without quantizing the base again."""
+    q = copy.copy(base)
+    q.ratio, q.mask = ratio, mask
+    q.ext = extend_weight(weight, mask, ratio, base.fmt, base.rounding, alpha=base.base.global_scale)
+    q.w_ext = dequantize(q.ext)
+    return q
+
+
+
+def build_candidates(
+    model: nn.Module, groups: list[Group], stats: dict, ratios=RATIOS, fmt: str = "nvfp4", rounding="ceil", progress=None
+) -> dict[tuple[str, ...], Candidates]:
+    """{group modules: Candidates}: every group's quantized weights, built once (the costly part)."""
+    out = {}
+    for k, g in enumerate(groups):
+        out[g.modules] = Candidates(model, g, stats, ratios, fmt, ScaleRounding(rounding))
+        if progress is not None:
+            progress(k + 1, len(groups))
+    return out
+
+
+
+@contextmanager
+def quantized(model: nn.Module, cands: dict, ratios: dict[tuple[str, ...], float]):
+    """Install several groups at their ratios at once (e.g. a whole plan) and restore on exit."""
+    with ExitStack() as stack:
+        for key, r in ratios.items():
+            stack.enter_context(cands[key].installed(model, r))
+        yield
+

@@ -1,0 +1,170 @@
+"""Triton kernels of the grad scores' bf16 path on CUDA: one pass where eager PyTorch makes many.
+
+Two memory-bound steps dominated the bf16 path's GPU time beyond its GEMMs (bench/results/plan.md):
+
+- the squared-sum reduction (`sq_sums`): eager, ``Σ (g ⊙ (c·P − Y + c·E_ρ))²`` for the plain
+  ratio and each compensated one is ~25 elementwise kernels per member, each writing an FP32
+  ``[M, N]`` temporary (≈ 270 bytes of traffic per output element); here one kernel reads g, P,
+  Y and every E_ρ once (≈ 18 bytes) and writes one FP32 partial sum per program and ratio, which
+  a second, tiny reduction adds in float64 (fixed partition, so the result does not depend on
+  the launch's scheduling);
+- the bf16 operands of the quantized activations (`exact_bf16`): `emulate.exact_operand`
+  unpacks, widens the codes to int64, gathers, scales and rounds in five to six passes
+  (≈ 40 bytes per element); here one kernel reads the packed codes and the block scales and
+  writes the bf16 values (≈ 2.6 bytes). The values are the same bits: the E2M1 value times the
+  block's FP32 scale factor (the format's own `dequantize_blocks` of a block of ones), a product
+  exact in FP32 and in bf16.
+
+`available(device)`: Triton is importable and the tensors are on CUDA, unless
+``RESSERVE_BACKEND=reference``. The callers (`bf16`, `candidates`) fall back to the eager
+functions otherwise. ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (how their logic is
+checked without a GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from resserve_export.core.compiling import triton_modules
+
+# Elements per program of the reduction: BLOCK lanes × _ITERS steps. 16K elements keep ≥ 1000
+# programs in flight for a [4096, 4096] output and the partial sums small.
+_BLOCK = 1024
+_ITERS = 16
+# Output columns per program of the operand kernel.
+_COLS = 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _triton():
+    mods = triton_modules()
+    return None if mods is None else (*mods, _build(*mods))
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels run for tensors on `device` (see the module docstring)."""
+    if os.environ.get("RESSERVE_BACKEND", "") == "reference":
+        return False
+    interpret = os.environ.get("TRITON_INTERPRET", "") == "1"
+    if device.type != "cuda" and not (interpret and device.type == "cpu"):
+        return False
+    return _triton() is not None
+
+
+def _build(triton, tl):
+    @triton.jit
+    def sq_sums_kernel(g_ptr, a_ptr, b_ptr, c_ptr, e0_ptr, e1_ptr, e2_ptr, e3_ptr, out_ptr, n,
+                       SPLIT: tl.constexpr, NE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        pid = tl.program_id(0)
+        start = pid.to(tl.int64) * (BLOCK * ITERS)
+        lanes = tl.arange(0, BLOCK)
+        c = tl.load(c_ptr)
+        acc0 = tl.zeros([BLOCK], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK], dtype=tl.float32)
+        acc4 = tl.zeros([BLOCK], dtype=tl.float32)
+        for it in range(ITERS):
+            idx = start + it * BLOCK + lanes
+            m = idx < n
+            g = tl.load(g_ptr + idx, mask=m, other=0.0).to(tl.float32)
+            if SPLIT:
+                p = tl.load(a_ptr + idx, mask=m, other=0.0).to(tl.float32)
+                y = tl.load(b_ptr + idx, mask=m, other=0.0).to(tl.float32)
+                gd = g * (c * p - y)
+            else:
+                gd = g * tl.load(a_ptr + idx, mask=m, other=0.0).to(tl.float32)
+            acc0 += gd * gd
+            if NE > 0:
+                e = tl.load(e0_ptr + idx, mask=m, other=0.0).to(tl.float32)
+                t = gd + g * (c * e)
+                acc1 += t * t
+            if NE > 1:
+                e = tl.load(e1_ptr + idx, mask=m, other=0.0).to(tl.float32)
+                t = gd + g * (c * e)
+                acc2 += t * t
+            if NE > 2:
+                e = tl.load(e2_ptr + idx, mask=m, other=0.0).to(tl.float32)
+                t = gd + g * (c * e)
+                acc3 += t * t
+            if NE > 3:
+                e = tl.load(e3_ptr + idx, mask=m, other=0.0).to(tl.float32)
+                t = gd + g * (c * e)
+                acc4 += t * t
+        row = out_ptr + pid * (NE + 1)
+        tl.store(row, tl.sum(acc0, axis=0))
+        if NE > 0:
+            tl.store(row + 1, tl.sum(acc1, axis=0))
+        if NE > 1:
+            tl.store(row + 2, tl.sum(acc2, axis=0))
+        if NE > 2:
+            tl.store(row + 3, tl.sum(acc3, axis=0))
+        if NE > 3:
+            tl.store(row + 4, tl.sum(acc4, axis=0))
+
+    @triton.jit
+    def exact_kernel(codes_ptr, sf_ptr, lut_ptr, out_ptr, width, codes_stride, sf_stride,
+                     BLOCK_Q: tl.constexpr, COLS: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * COLS + tl.arange(0, COLS)
+        m = col < width
+        byte = tl.load(codes_ptr + row * codes_stride + col // 2, mask=m, other=0).to(tl.int32)
+        code = tl.where(col % 2 == 0, byte & 15, byte >> 4)
+        v = tl.load(lut_ptr + code, mask=m, other=0.0)
+        s = tl.load(sf_ptr + row * sf_stride + col // BLOCK_Q, mask=m, other=0.0)
+        tl.store(out_ptr + row * width + col, (v * s).to(tl.bfloat16), mask=m)
+
+    return sq_sums_kernel, exact_kernel
+
+
+_MAX_ES = 4
+
+
+def sq_sums(g: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, c: torch.Tensor, *es: torch.Tensor) -> torch.Tensor:
+    """FP32 ``[1 + len(es)]``: the split layout's ``[Σ (g(c·a − b))², Σ (g(c·a − b + c·e))² …]`` (b
+    given: a = P, b = Y) or the fused one's ``[Σ (g·a)², Σ (g(a + e))² …]`` (b None: a = D_0), as
+    `bf16._sq_sums_split_eager` / `bf16._sq_sums_eager` compute them (same FP32 products, summed in
+    another order: the scores within 2e-4 relative; 9.1e-5 measured on an H200, bench/results/plan.md). Flat inputs of one length; at most four e."""
+    if len(es) > _MAX_ES:
+        raise ValueError(f"at most {_MAX_ES} residue products per reduction, got {len(es)}")
+    _, _, (kernel, _) = _triton()
+    split = b is not None
+    g, a = g.reshape(-1).contiguous(), a.reshape(-1).contiguous()
+    b = b.reshape(-1).contiguous() if split else a
+    es = [e.reshape(-1).contiguous() for e in es]
+    n = g.numel()
+    if any(t.numel() != n for t in [a, b] + es):
+        raise ValueError("the reduction's inputs differ in length")
+    # The fused layout's E needs no scaling: c = 1 there (an exact product).
+    c = c.to(device=g.device, dtype=torch.float32).reshape(1) if split else torch.ones(1, device=g.device)
+    programs = max(1, -(-n // (_BLOCK * _ITERS)))
+    part = torch.empty((programs, 1 + len(es)), dtype=torch.float32, device=g.device)
+    pad = es + [g] * (_MAX_ES - len(es))
+    kernel[(programs,)](g, a, b, c, *pad, part, n, SPLIT=split, NE=len(es), BLOCK=_BLOCK, ITERS=_ITERS, num_warps=8)
+    return part.sum(dim=0, dtype=torch.float64).float()
+
+
+def exact_bf16(q, fmt) -> torch.Tensor:
+    """`emulate.exact_operand(q)` (bf16, α factored out), bit for bit, in one kernel: q an
+    `FP4Tensor` of 2-D codes ``[M, width/2]`` (row-strided views allowed, e.g. a column slice of
+    the fused kernel's ``[X̂ | R̂_S]``), `fmt` its `registry.Format`."""
+    from resserve_export.formats.fp4 import e2m1_table
+
+    _, _, (_, kernel) = _triton()
+    codes, scales = q.codes, q.scales
+    if codes.dim() != 2 or codes.stride(-1) != 1:
+        codes = codes.reshape(-1, codes.shape[-1]).contiguous()
+    M, width = codes.shape[0], 2 * codes.shape[1]
+    blk = fmt.block
+    # The FP32 scale factor of every block, from the format's own decoder (a block of ones, α = 1).
+    nb = width // blk
+    ones = torch.full((M, nb, 1), 0x22, dtype=torch.uint8, device=codes.device)  # E2M1 1.0 in both nibbles
+    one = torch.ones((), dtype=torch.float32, device=codes.device)
+    sf = fmt.dequantize_blocks(ones, scales.reshape(M, nb), one if fmt.has_tensor_scale else None)[..., 0].contiguous()
+    out = torch.empty((M, width), dtype=torch.bfloat16, device=codes.device)
+    lut = e2m1_table(codes.device)
+    kernel[(M, -(-width // _COLS))](codes, sf, lut, out, width, codes.stride(0), sf.stride(0), BLOCK_Q=blk, COLS=_COLS, num_warps=4)
+    return out

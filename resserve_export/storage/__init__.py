@@ -1,0 +1,1 @@
+"""Layer 2: safetensors files, checkpoints and the calibration directory on disk."""
