@@ -25,7 +25,8 @@ from resserve_export.modeling import modelio
 from resserve_export.stages.verify import run as verify
 from resserve_export.storage.checkpoint import Checkpoint
 from resserve_export.core.errors import CheckpointMismatch, UserError
-from resserve_export.formats.ops import abs_max, quantize
+from resserve_export.formats.nvfp4 import abs_max
+from resserve_export.formats.ops import quantize
 from resserve_export.algorithms.kext import extend_weight
 from resserve_export.formats.nvfp4 import global_scale, group_global_scale
 from resserve_export.stages.pack.run import pack

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from resserve_export.formats.constants import FORMATS
+from resserve_export.formats.registry import FORMATS
 
 
 def command(

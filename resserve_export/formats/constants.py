@@ -29,15 +29,3 @@ RATIOS = (0.0, 0.125, 0.25, 0.5, 1.0)
 
 # Per-format values (block size, the K-Ext padding of SPEC §6, ...) live on the format objects of
 # `registry`, the one place a format's name is branched on.
-
-
-def __getattr__(name: str):
-    """Values derived from `registry` on first use (it imports this module, so not at import time).
-
-    ``FORMATS``: the format names, for CLI help and messages.
-    """
-    if name == "FORMATS":
-        from resserve_export.formats.registry import FORMATS
-
-        return tuple(FORMATS)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

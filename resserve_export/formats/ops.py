@@ -36,18 +36,6 @@ def _compiled(f: Format, rounding: ScaleRounding):
     return compile_or_eager(f.blocks_fn(rounding), dynamic=False, fullgraph=True)
 
 
-def abs_max(x: torch.Tensor) -> torch.Tensor:
-    """amax(|x|) in x's dtype (0 for an empty tensor; NaN propagates).
-
-    Equal to ``x.abs().amax()`` bit for bit, from one ``aminmax`` pass without materialising
-    |x|: on a bf16 12288×4096 weight on CPU that is 0.004 s instead of 0.14 s.
-    """
-    if x.numel() == 0:
-        return torch.zeros((), dtype=x.dtype, device=x.device)
-    lo, hi = torch.aminmax(x)
-    return torch.maximum(lo.abs(), hi.abs())
-
-
 def _pick_backend(x: torch.Tensor, backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}, available: {list(BACKENDS)}")
@@ -116,11 +104,7 @@ def quantize(
 
 def dequantize(q: FP4Tensor) -> torch.Tensor:
     """FP32 values of `q`, same shape as the original tensor."""
-    f = q.format
-    lead = q.codes.shape[:-1]
-    packed = q.codes.reshape(*lead, -1, f.block // 2)
-    vals = f.dequantize_blocks(packed, q.scales, q.global_scale)
-    return vals.reshape(*lead, -1)
+    return q.dequantize()
 
 
 def qdq(x: torch.Tensor, fmt: str | Format, **kw) -> torch.Tensor:

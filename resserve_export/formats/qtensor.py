@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +34,12 @@ class FP4Tensor:
         return (*self.codes.shape[:-1], self.codes.shape[-1] * 2)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        from resserve_export.formats.ops import dequantize
-
-        return dequantize(self).to(dtype)
+        """The values of the tensor (FP32 arithmetic, then `dtype`), same shape as the original."""
+        f = self.format
+        lead = self.codes.shape[:-1]
+        packed = self.codes.reshape(*lead, -1, f.block // 2)
+        vals = f.dequantize_blocks(packed, self.scales, self.global_scale)
+        return vals.reshape(*lead, -1).to(dtype)
 
     def narrow(self, start: int, length: int) -> "FP4Tensor":
         """Columns ``[start, start+length)`` along the last dim (block-aligned)."""
@@ -59,3 +63,19 @@ class FP4Tensor:
             torch.cat([p.scales for p in parts], dim=-1),
             first.global_scale,
         )
+
+
+def read_base(f: registry.Format, get: Callable[[str], torch.Tensor], module: str, scalar: Callable | None = None):
+    """(FP4Tensor of a stored weight in format `f`, input α or None) through ``get(tensor name)``.
+
+    `scalar` turns a stored tensor scale into the FP32 0-d α (default: ``t.float().reshape(())``,
+    a checkpoint's scalar; vLLM's fused layers hold one per shard and pass their max)."""
+    if scalar is None:
+        scalar = registry.stored_scalar
+    weight = get(f"{module}.{f.weight_name}")
+    scales = f.as_scales(get(f"{module}.{f.scale_name}"))
+    if not f.has_tensor_scale:
+        return FP4Tensor(f.name, weight, scales), None
+    alpha = scalar(get(f"{module}.{f.tensor_scale_name}"))
+    input_alpha = scalar(get(f"{module}.{f.input_scale_name}"))
+    return FP4Tensor(f.name, weight, scales, alpha), input_alpha

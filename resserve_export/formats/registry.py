@@ -79,23 +79,6 @@ class Format:
             out += [(self.tensor_scale_name, q.global_scale.reshape(()).float()), (self.input_scale_name, input_scale.reshape(()).float())]
         return out
 
-    def read_base(self, get: Callable[[str], torch.Tensor], module: str, scalar: Callable | None = None):
-        """(FP4Tensor of the stored weight, input α or None) through ``get(tensor name)``.
-
-        `scalar` turns a stored tensor scale into the FP32 0-d α (default: ``t.float().reshape(())``,
-        a checkpoint's scalar; vLLM's fused layers hold one per shard and pass their max)."""
-        from resserve_export.formats.qtensor import FP4Tensor
-
-        if scalar is None:
-            scalar = _stored_scalar
-        weight = get(f"{module}.{self.weight_name}")
-        scales = self.as_scales(get(f"{module}.{self.scale_name}"))
-        if not self.has_tensor_scale:
-            return FP4Tensor(self.name, weight, scales), None
-        alpha = scalar(get(f"{module}.{self.tensor_scale_name}"))
-        input_alpha = scalar(get(f"{module}.{self.input_scale_name}"))
-        return FP4Tensor(self.name, weight, scales, alpha), input_alpha
-
     def __reduce__(self):
         # A format pickles as its registry name: vLLM's engine core is a spawned process that
         # receives the quantization config (and the Format it holds) by pickle.
@@ -128,9 +111,7 @@ class Format:
         """The tensor scale from one tensor's own amax (a weight quantized alone)."""
         if not self.has_tensor_scale:
             return None
-        from resserve_export.formats.ops import abs_max
-
-        return nvfp4.global_scale(abs_max(x))
+        return nvfp4.global_scale(nvfp4.abs_max(x))
 
     def input_alpha(self, amax: torch.Tensor) -> torch.Tensor | None:
         """The static activation scale from a calibrated amax, None without a tensor scale."""
@@ -160,7 +141,7 @@ class Format:
             raise ValueError(f"{self.name} checkpoints carry KV-cache scales for {', '.join(self.kv_kinds)} only, not {kv_cache}")
 
 
-def _stored_scalar(t: torch.Tensor) -> torch.Tensor:
+def stored_scalar(t: torch.Tensor) -> torch.Tensor:
     return t.float().reshape(())
 
 

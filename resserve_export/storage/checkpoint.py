@@ -40,7 +40,7 @@ import torch
 from resserve_export.formats import registry
 from resserve_export.formats.constants import SELECTION_GROUP
 from resserve_export.core.errors import UserError
-from resserve_export.formats.qtensor import FP4Tensor
+from resserve_export.formats.qtensor import FP4Tensor, read_base
 from resserve_export.formats.registry import HF_QUANT_CONFIG, PRODUCER  # noqa: F401  (names of this module before the registry)
 
 FORMAT_VERSION = 1
@@ -506,7 +506,7 @@ class Checkpoint:
         if g is None:
             raise KeyError(f"{module} is not a quantized linear of this checkpoint")
         fmt = self.fmt
-        base, input_scale = self.format.read_base(self.model.get, module)
+        base, input_scale = read_base(self.format, self.model.get, module)
         alpha = base.global_scale
         mask = self.sidecar.get(f"{module}.resserve_mask") if f"{module}.resserve_mask" in self.sidecar else None
         ext = None

@@ -47,7 +47,7 @@ from resserve_export.algorithms.emulate import quantized_matmul
 from resserve_export.modeling.experts import ROLES
 from resserve_export.formats.ops import dequantize
 from resserve_export.formats.mxfp4 import ScaleRounding
-from resserve_export.formats.qtensor import FP4Tensor
+from resserve_export.formats.qtensor import FP4Tensor, read_base
 from resserve_export.algorithms.selection import mode_of
 from resserve_export.vllm_plugin._register import method_enabled
 from resserve_export.vllm_plugin.moe import act_and_mul, routed_rows
@@ -256,7 +256,7 @@ class ResServeLinearMethod(LinearMethodBase):
         def param(name: str) -> torch.Tensor:  # "layer.<checkpoint suffix>": the stock parameter of that name
             return getattr(layer, name.removeprefix("layer.")).detach()
 
-        return self.config.format.read_base(param, "layer", scalar=lambda t: t.float().max().reshape(()))
+        return read_base(self.config.format, param, "layer", scalar=lambda t: t.float().max().reshape(()))
 
     def process_weights_after_loading(self, layer) -> None:
         base, input_alpha = self._base(layer)
@@ -335,7 +335,7 @@ class ResServeMoEMethod(FusedMoEMethodBase):
 
             pair = []
             for proj, members in zip(("w13", "w2"), self.members(e)):
-                base, alpha = f.read_base(param, proj, scalar=scalar)
+                base, alpha = read_base(f, param, proj, scalar=scalar)
                 ratio = self.config.ratio(members)
                 pair.append(ExpertProjection(self.config.load_weight(members, ratio, base), alpha, mode_of(ratio)))
             self.experts.append(tuple(pair))

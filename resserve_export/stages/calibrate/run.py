@@ -27,7 +27,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from resserve_export.formats.constants import FORMATS, MXFP4_BLOCK, RATIOS
+from resserve_export.formats.constants import MXFP4_BLOCK, RATIOS
+from resserve_export.formats.registry import FORMATS
 from resserve_export.core.errors import UserError
 from resserve_export.modeling.groups import Group, expert_modules, group_linears, is_quantized
 from resserve_export.core.outputs import check_out_dir, clean_stale, temp_sibling, write_dir_atomic
