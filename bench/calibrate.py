@@ -32,6 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from resserve_export.stages.calibrate import run as cal  # noqa: E402
+from resserve_export.observers import stats
+from resserve_export.modeling import forward
+from resserve_export.storage import calibration
 from resserve_export.modeling import modelio  # noqa: E402
 from resserve_export.modeling.groups import group_linears, linears_of  # noqa: E402
 
@@ -57,7 +60,7 @@ def sync(model) -> None:
 
 
 def forward_plain(model, batches, kw) -> None:
-    dev = cal.input_device(model)
+    dev = forward.input_device(model)
     with torch.inference_mode():
         for b in batches:
             model(input_ids=b["input_ids"].to(dev), attention_mask=b["attention_mask"].to(dev), **kw)
@@ -65,11 +68,11 @@ def forward_plain(model, batches, kw) -> None:
 
 def forward_hooked(model, batches, groups, kw, with_kv: bool = True) -> dict:
     """What `calibrate` runs: the statistics hooks and (`with_kv`) the KV-cache observer."""
-    from resserve_export.observers.kvcache import KVCollector
+    from resserve_export.observers.kv import KVCollector
 
-    dev = cal.input_device(model)
+    dev = forward.input_device(model)
     kv = KVCollector(model) if with_kv else None
-    with cal.StatsCollector(model, groups) as col, torch.inference_mode():
+    with stats.StatsCollector(model, groups) as col, torch.inference_mode():
         for b in batches:
             col.set_mask(b["attention_mask"])
             extra = {}
@@ -93,7 +96,7 @@ def timed(fn, model) -> tuple[float, float]:
 
 def overhead(model, batches, reps: int) -> dict:
     groups = group_linears(linears_of(model))
-    kw = cal.forward_kwargs(model)
+    kw = forward.forward_kwargs(model)
     plain = lambda: forward_plain(model, batches, kw)  # noqa: E731
     hooked = lambda: forward_hooked(model, batches, groups, kw)  # noqa: E731
     stats_only = lambda: forward_hooked(model, batches, groups, kw, with_kv=False)  # noqa: E731
@@ -155,12 +158,12 @@ def bench_cpu(args) -> dict:
     samples = data.make_samples(tok, data.load_documents("shakespeare"), args.batch * args.batches, args.seq, 42)
     batches = data.batches(samples, args.batch, data.pad_id(tok))
     res = {}
-    default = cal.CPU_CHUNK_ELEMENTS
+    default = stats.CPU_CHUNK_ELEMENTS
     # The default row-chunked reduction, and one chunk per hook (whole activation, reused buffer).
     for name, chunk in (("chunked", default), ("one_chunk", 1 << 62)):
-        cal.CPU_CHUNK_ELEMENTS = chunk
+        stats.CPU_CHUNK_ELEMENTS = chunk
         res[name] = overhead(model, batches, args.reps)
-    cal.CPU_CHUNK_ELEMENTS = default
+    stats.CPU_CHUNK_ELEMENTS = default
     res.update(device="cpu", threads=args.threads, model="SmolLM2-135M-Instruct (bf16)", batch=args.batch, seq=args.seq, batches=args.batches)
     return res
 
@@ -170,12 +173,12 @@ def bench_gpu(args) -> dict:
     out = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "model": "random Qwen3-1.7B-shaped (bf16)" if SHAPE == QWEN3_1_7B else "tiny smoke model", "batch": args.batch, "seq": args.seq}
     full = random_batches(args.batches, args.batch, args.seq, SHAPE["vocab_size"])
     padded = random_batches(args.batches, args.batch, args.seq, SHAPE["vocab_size"], pad_rows=args.batch // 2)
-    default = cal.StatsCollector.gpu_reduction
+    default = stats.StatsCollector.gpu_reduction
     for variant in (default, *[v for v in ("norm", "abs") if v != default]):
-        cal.StatsCollector.gpu_reduction = variant
+        stats.StatsCollector.gpu_reduction = variant
         out[f"no_padding[{variant}]"] = overhead(model, full, args.reps)
         out[f"half_rows_padded[{variant}]"] = overhead(model, padded, args.reps)
-    cal.StatsCollector.gpu_reduction = default
+    stats.StatsCollector.gpu_reduction = default
     return out
 
 
@@ -196,17 +199,17 @@ def bench_multi_gpu(args) -> dict:
             placement[str(v)] = placement.get(str(v), 0) + 1
         groups = group_linears(linears_of(model))
         t = time.perf_counter()
-        spread, tokens = cal.collect(model, batches, groups)
+        spread, tokens = stats.collect(model, batches, groups)
         sync(model)
         spread_s = time.perf_counter() - t
         del model
         torch.cuda.empty_cache()
         single_model = modelio.load_model_on(model_dir, "cuda:0" if n_gpu else "cpu", "bfloat16")
         t = time.perf_counter()
-        single, tokens1 = cal.collect(single_model, batches, groups)
+        single, tokens1 = stats.collect(single_model, batches, groups)
         sync(single_model)
         single_s = time.perf_counter() - t
-        out_dir = cal.write_dir_atomic(Path(tmp) / "calib", lambda d: cal.save_stats(spread, d / "salience.safetensors"))
+        out_dir = cal.write_dir_atomic(Path(tmp) / "calib", lambda d: calibration.save_stats(spread, d / "salience.safetensors"))
         written = sorted(p.name for p in out_dir.iterdir())
     rel = max(float(((spread[k]["mean_abs"].double() - single[k]["mean_abs"].double()).abs() / single[k]["mean_abs"].double().clamp_min(1e-30)).max()) for k in single)
     amax_equal = all(torch.equal(spread[k]["amax"], single[k]["amax"]) for k in single)
@@ -238,9 +241,10 @@ def bench_moe(args) -> dict:
     (which the collector runs)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from resserve_export.modeling.experts import ExpertCollector, expert_blocks
+    from resserve_export.observers.experts import ExpertCollector
+    from resserve_export.modeling.experts import expert_blocks
     from resserve_export.modeling.groups import group_linears, linears_of
-    from resserve_export.observers.kvcache import KVCollector
+    from resserve_export.observers.kv import KVCollector
 
     torch.set_num_threads(args.threads)
     shape = MOE_30B if args.shape == "30b" else MOE_SMALL
@@ -260,7 +264,7 @@ def bench_moe(args) -> dict:
     blocks = expert_blocks(shapes_from_config(dict(model.config.to_dict(), model_type="qwen3_moe")))  # the checkpoint's expert names
     batches = random_batches(args.batches, args.batch, args.seq, shape["vocab_size"], pad_rows=args.batch // 4)
     dense = group_linears(linears_of(model))
-    kw = cal.forward_kwargs(model)
+    kw = forward.forward_kwargs(model)
     default_impl = model.config._experts_implementation
 
     def plain(impl):
@@ -276,7 +280,7 @@ def bench_moe(args) -> dict:
         def run():
             kv = KVCollector(model)
             with ExpertCollector(model, blocks, mode) as ec:
-                stats, _ = cal.collect(model, batches, dense, kv=kv, experts=ec)
+                stats, _ = stats.collect(model, batches, dense, kv=kv, experts=ec)
             sync(model)
             t = time.perf_counter()
             ec.result()  # once per calibration run, whatever its length: timed apart as well

@@ -22,7 +22,7 @@ import torch
 
 from resserve_export import api
 from resserve_export.modeling import data
-from resserve_export.observers import kvcache
+from resserve_export.observers import kv as kvcache
 from resserve_export.modeling import modelio
 from resserve_export.storage.checkpoint import Checkpoint
 from resserve_export.stages.verify.run import DEFAULT_TEXT, _forward_nll, emulated

@@ -110,7 +110,7 @@ def bench_scores(samples: int, seq_len: int, batch_size: int, kl_groups: int, re
     from resserve_export.modeling import data
     from resserve_export.modeling import modelio
     from resserve_export.algorithms import scores as S
-    from resserve_export.stages.calibrate.run import collect
+    from resserve_export.observers.stats import collect
     from resserve_export.modeling.groups import group_linears, linears_of
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
@@ -198,7 +198,7 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
     import calibrate as bench_calibrate  # bench/calibrate.py: the model shape and random batches
 
     from resserve_export.algorithms import scores as S
-    from resserve_export.stages.calibrate.run import collect
+    from resserve_export.observers.stats import collect
     from resserve_export.modeling.groups import group_linears, linears_of
 
     if smoke:

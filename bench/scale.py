@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from resserve_export.stages.calibrate import run as cal
+from resserve_export.observers import stats
 from resserve_export.modeling import modelio
 from resserve_export.stages.calibrate import sequential
 from resserve_export.modeling.groups import group_linears, linears_of
@@ -110,7 +111,7 @@ def main() -> None:
     model = modelio.load_model_on(model_dir, args.device, "bfloat16")
     groups = group_linears(linears_of(model))
     t_load = time.perf_counter() - t
-    whole, _ = cal.collect(model, batches, groups)
+    whole, _ = stats.collect(model, batches, groups)
     sync(args.device)
     t_whole = time.perf_counter() - t
     p_whole = peak(args.device)

@@ -7,6 +7,9 @@ import torch
 from fixtures.tiny import make_model, randomized
 
 from resserve_export.algorithms.awq import smoothing as awq
+from resserve_export.algorithms.awq import decoder
+from resserve_export.algorithms.awq import search
+from resserve_export.algorithms.awq import fold
 from resserve_export.modeling import modelio
 from resserve_export.formats.ops import qdq
 
@@ -47,7 +50,7 @@ def test_folding_random_scales_leaves_the_model_unchanged(models, arch):
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = model(input_ids=ids, use_cache=False).logits
-    folds = awq.plan_folds(model)
+    folds = decoder.plan_folds(model)
     layers = len(model.model.layers)
     assert len(folds) == 4 * layers
     g = torch.Generator().manual_seed(1)
@@ -70,16 +73,16 @@ def test_folding_random_scales_leaves_the_model_unchanged(models, arch):
 
 def test_gemma_norms_fold_as_one_plus_weight(models):
     model = modelio.load_model(models["gemma3"], "float32")
-    folds = awq.plan_folds(model)
+    folds = decoder.plan_folds(model)
     assert folds[0].kind == "norm_one_plus" and folds[1].producer.endswith("pre_feedforward_layernorm")
     w = torch.tensor([0.5, -0.25, 2.0])
     s = torch.tensor([2.0, 0.5, 3.0])
-    assert torch.allclose(1 + awq.fold_into_norm(w, s, one_plus=True), (1 + w) / s)
+    assert torch.allclose(1 + fold.fold_into_norm(w, s, one_plus=True), (1 + w) / s)
 
 
 def test_grouped_query_attention_leaves_o_proj_unscaled(models):
     model = modelio.load_model(models["llama"], "float32")  # 4 query heads, 2 value heads
-    o = [f for f in awq.plan_folds(model) if f.consumers[0].endswith("o_proj")]
+    o = [f for f in decoder.plan_folds(model) if f.consumers[0].endswith("o_proj")]
     assert o and all(f.unscaled and "grouped-query" in f.unscaled for f in o)
     with pytest.raises(ValueError, match="cannot be scaled"):
         awq.apply_fold(model, o[0], torch.ones(64))
@@ -93,7 +96,7 @@ def test_search_picks_the_grid_minimum_of_the_w4a4_error():
     x = torch.randn(96, K, generator=g) * torch.exp(torch.randn(K, generator=g) * 1.5)  # outlier channels
     ws = [torch.randn(32, K, generator=g) * 0.05, torch.randn(16, K, generator=g) * 0.05]
     grid = (0.0, 0.25, 0.5, 0.75, 1.0)
-    res = awq.search(x, ws, "nvfp4", grid=grid)
+    res = search.search(x, ws, "nvfp4", grid=grid)
 
     def independent(s):
         xs = x / s
@@ -109,13 +112,13 @@ def test_search_picks_the_grid_minimum_of_the_w4a4_error():
         return e / r
 
     mean_w = torch.cat([w.abs() for w in ws]).mean(0)
-    scores = {a: independent(awq.candidate_scales(x.abs().mean(0), mean_w, a)) for a in grid}
+    scores = {a: independent(search.candidate_scales(x.abs().mean(0), mean_w, a)) for a in grid}
     none = independent(torch.ones(K))
     for a in grid:
         assert res.errors[a] == pytest.approx(scores[a], rel=1e-9)
     best = min(scores, key=lambda a: (scores[a], a))
     if scores[best] < none:
-        assert res.alpha == best and torch.equal(res.scales, awq.candidate_scales(x.abs().mean(0), mean_w, best))
+        assert res.alpha == best and torch.equal(res.scales, search.candidate_scales(x.abs().mean(0), mean_w, best))
     else:
         assert res.alpha != res.alpha and torch.equal(res.scales, torch.ones(K))
     # With strong activation outliers smoothing helps under W4A4.
@@ -123,6 +126,6 @@ def test_search_picks_the_grid_minimum_of_the_w4a4_error():
 
 
 def test_candidate_scales_are_normalised():
-    s = awq.candidate_scales(torch.tensor([1.0, 4.0, 16.0]), torch.tensor([1.0, 1.0, 1.0]), 0.5)
+    s = search.candidate_scales(torch.tensor([1.0, 4.0, 16.0]), torch.tensor([1.0, 1.0, 1.0]), 0.5)
     assert float(s.max() * s.min()) == pytest.approx(1.0)
     assert torch.allclose(s / s[0], torch.tensor([1.0, 2.0, 4.0]))

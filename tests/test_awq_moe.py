@@ -22,6 +22,10 @@ from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 
 from resserve_export.algorithms.awq import smoothing as awq
+from resserve_export.algorithms.awq import decoder
+from resserve_export.algorithms.awq import pipeline
+from resserve_export.algorithms.awq import search
+from resserve_export.algorithms.awq import fold
 from resserve_export.modeling import data
 from resserve_export.formats import ops as formats
 from resserve_export.modeling import modelio
@@ -128,7 +132,7 @@ def test_every_fold_with_random_scales_leaves_the_fp32_model_unchanged(moe, arch
     net = modelio.load_model(path, "float32")
     ids, mask = _tokens()
     ref, ref_topk, _ = _routing(net, blocks, ids, mask)
-    folds = awq.plan_folds(net, blocks, shapes)
+    folds = decoder.plan_folds(net, blocks, shapes)
     params = checkpoint_parameters(net, blocks)
     g = torch.Generator().manual_seed(1)
     for f in folds:
@@ -224,7 +228,7 @@ def test_calibration_records_the_moe_search_and_describes_smoothed_activations(m
     arch = "qwen3_moe"
     calib, rtn = _awq(moe, arch), _calibrated(moe, arch, "all")
     rec = _meta(calib)["weight_algo"]
-    assert rec["name"] == "awq" and rec["grid"] == list(awq.GRID) and "moe" in rec and rec["search_tokens"] == AWQ_TOKENS
+    assert rec["name"] == "awq" and rec["grid"] == list(search.GRID) and "moe" in rec and rec["search_tokens"] == AWQ_TOKENS
     scales = load_file(str(calib / awq.FILE))
     smoothed = [g for g in rec["groups"] if g["alpha"] is not None]
     assert rec["smoothed_groups"] == len(smoothed) and sorted(scales) == sorted(f"{g['consumers'][0]}.awq_scales" for g in smoothed)
@@ -235,7 +239,7 @@ def test_calibration_records_the_moe_search_and_describes_smoothed_activations(m
         assert g["readers"] == [b.prefix.rpartition(".")[0] + ".gate"] and g["tokens"] == AWQ_TOKENS
         assert len(g["consumers"]) == 2 * b.num_experts
         if g["alpha"] is not None:
-            assert g["alpha"] in awq.GRID and g["nmse"] < g["nmse_unsmoothed"]
+            assert g["alpha"] in search.GRID and g["nmse"] < g["nmse_unsmoothed"]
             s = scales[f"{b.module(0, 'gate')}.awq_scales"]
             for e in range(b.num_experts):
                 m = b.module(e, "gate")
@@ -311,7 +315,7 @@ def test_the_chosen_alpha_minimises_the_moe_objective(moe):
     mean_w = (W.abs().sum((0, 1), dtype=torch.float64) / (E * 2 * I)).float()
 
     def brute(parts, mean_x, mean_w, realize):
-        return {a: _w4a4(parts, realize(awq.candidate_scales(mean_x, mean_w, a))) for a in awq.GRID}
+        return {a: _w4a4(parts, realize(search.candidate_scales(mean_x, mean_w, a))) for a in search.GRID}
 
     def check(g, scores, parts):
         none = _w4a4(parts, torch.ones_like(mean_x))
@@ -323,7 +327,7 @@ def test_the_chosen_alpha_minimises_the_moe_objective(moe):
             assert g["alpha"] is None
 
     g = next(g for g in rec["groups"] if g["consumers"][0] == f"{prefix}.0.w1")
-    check(g, brute(parts, mean_x, mean_w, lambda s: awq.realized_norm_scales(norm, s)), parts)
+    check(g, brute(parts, mean_x, mean_w, lambda s: fold.realized_norm_scales(norm, s)), parts)
     assert g["alpha"] is not None  # this layer is smoothed: the minimum beats no smoothing
     # one expert's down_proj, on act(gate) · up of its routed tokens (as the bf16 model computes it)
     e = 1
@@ -353,7 +357,7 @@ def test_an_expert_no_search_token_reached_stays_unscaled(moe):
     batches = data.batches(data.make_samples(tok, data.load_documents(cfg.dataset), cfg.num_samples, cfg.seq_len, cfg.seed),
                            cfg.batch_size, data.pad_id(tok))
     groups = cal.model_groups_of(net, path, blocks)
-    smoothing, rec = awq.search_smoothing(net, batches, groups, "nvfp4", "ceil", 3, blocks=blocks, shapes=shapes)
+    smoothing, rec = pipeline.search_smoothing(net, batches, groups, "nvfp4", "ceil", 3, blocks=blocks, shapes=shapes)
     b = blocks[0]
     for e in range(b.num_experts):
         d = next(g for g in rec["groups"] if g["consumers"] == [b.module(e, "down")])

@@ -19,6 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from resserve_export.algorithms.awq import smoothing as awq
+from resserve_export.algorithms.awq import pipeline
+from resserve_export.algorithms.awq import search
 from resserve_export.modeling import data
 from resserve_export.formats import ops as formats
 from resserve_export.modeling import modelio
@@ -109,7 +111,7 @@ def test_calibration_records_the_search_and_describes_smoothed_activations(setup
     rec = meta["weight_algo"]
     assert json.loads((c_rtn / "calibration.json").read_text())["weight_algo"] == {"name": "rtn"}
     assert not (c_rtn / awq.FILE).exists()
-    assert rec["name"] == "awq" and rec["file"] == awq.FILE and rec["grid"] == list(awq.GRID) and rec["format"] == "nvfp4"
+    assert rec["name"] == "awq" and rec["file"] == awq.FILE and rec["grid"] == list(search.GRID) and rec["format"] == "nvfp4"
     groups = rec["groups"]
     assert len(groups) == 4 * 2  # q/k/v, gate/up, o_proj, down_proj per layer
     o = [g for g in groups if g["consumers"][0].endswith("o_proj")]
@@ -124,7 +126,7 @@ def test_calibration_records_the_search_and_describes_smoothed_activations(setup
     smoothed = [g for g in searched if g["alpha"] is not None]
     assert smoothed and rec["smoothed_groups"] == len(smoothed)
     for g in smoothed:
-        assert g["alpha"] in awq.GRID and g["nmse"] < g["nmse_unsmoothed"] and g["tokens"] == 128
+        assert g["alpha"] in search.GRID and g["nmse"] < g["nmse_unsmoothed"] and g["tokens"] == 128
     scales = load_file(str(c_awq / awq.FILE))
     assert sorted(scales) == sorted(f"{g['consumers'][0]}.awq_scales" for g in smoothed)
     assert all(s.dtype == torch.float32 and bool((s > 0).all()) for s in scales.values())
@@ -333,7 +335,7 @@ def test_search_rows_are_valid_tokens_only(setup):
     model = modelio.load_model(models["llama"], "bfloat16")
     groups = cal.group_linears({n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
     valid = sum(int(b["attention_mask"].sum()) for b in batches)
-    _, rec = awq.search_smoothing(model, batches, groups, "nvfp4", "ceil", max_rows=10**6)
+    _, rec = pipeline.search_smoothing(model, batches, groups, "nvfp4", "ceil", max_rows=10**6)
     assert all(g["tokens"] == valid for g in rec["groups"] if "tokens" in g)
 
 
@@ -345,4 +347,4 @@ def test_awq_search_refuses_an_offloaded_model(setup):
     shell = empty_model(models["llama"], "bfloat16")
     groups = cal.model_groups_of(shell, models["llama"])
     with pytest.raises(UserError, match="needs the whole model in memory, but it was offloaded to disk"):
-        awq.search_smoothing(shell, [], groups, "nvfp4", "ceil", 64)
+        pipeline.search_smoothing(shell, [], groups, "nvfp4", "ceil", 64)

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from resserve_export.stages.calibrate import run as cal
+from resserve_export.observers import stats
+from resserve_export.storage import calibration
 from resserve_export.modeling import data
 from resserve_export.modeling import modelio
 from resserve_export.core.errors import UserError
@@ -109,7 +111,7 @@ def run(model: Path, out: Path, dataset: Path, **kw) -> Path:
 
 
 def read(out: Path) -> tuple[dict, dict]:
-    return cal.load_stats(out), json.loads((out / "calibration.json").read_text())
+    return calibration.load_stats(out), json.loads((out / "calibration.json").read_text())
 
 
 def direct_stats(model_dir: Path, samples: list[data.Sample], dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor, int]]:
@@ -185,9 +187,9 @@ def test_padding_tokens_would_change_the_statistics(tiny64, texts):
     bs = data.batches(samples, 4, data.pad_id(tok))
     model = modelio.load_model(tiny64, "float64")
     groups = group_linears(linears_of(model))
-    masked, _ = cal.collect(model, bs, groups)
+    masked, _ = stats.collect(model, bs, groups)
     full = [{"input_ids": b["input_ids"], "attention_mask": torch.ones_like(b["attention_mask"])} for b in bs]
-    unmasked, _ = cal.collect(model, full, groups)
+    unmasked, _ = stats.collect(model, full, groups)
     name = groups[0].modules[0]
     assert not torch.allclose(masked[name]["mean_abs"], unmasked[name]["mean_abs"], rtol=1e-6, atol=0)
 

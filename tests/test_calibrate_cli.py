@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from resserve_export.stages.calibrate import run as cal
+from resserve_export.storage import calibration
 from resserve_export.modeling import modelio
 from resserve_export.cli import main
 from resserve_export.modeling.groups import group_linears, linears_from_shapes
@@ -146,7 +147,7 @@ def test_smollm2_quick_end_to_end(tmp_path, capsys):
     cli_ok("default", "--out", str(out), "--config", "quick", "--device", "cpu")
     assert "wrote" in capsys.readouterr().out
     rec = json.loads((out / "calibration.json").read_text())
-    stats = cal.load_stats(out)
+    stats = calibration.load_stats(out)
     model_dir = modelio.resolve_model(str(modelio.default_model()))
     groups = group_linears(linears_from_shapes(modelio.tensor_shapes(model_dir)))
     assert len(groups) == 30 * 4 and len(stats) == 30 * 7

@@ -18,7 +18,9 @@ from safetensors.torch import load_file, save_file
 
 from resserve_export.stages.calibrate import run as cal
 from resserve_export.modeling import data
-from resserve_export.observers import kvcache
+from resserve_export.observers import kv as kvcache
+from resserve_export.formats import kv as kv_format
+from resserve_export.storage import kv_stats as kv_file
 from resserve_export.modeling import modelio
 from resserve_export.storage.checkpoint import Checkpoint
 from resserve_export.cli import main
@@ -147,10 +149,10 @@ def test_calibrate_records_kv_statistics_deterministically(models, tmp_path):
     texts = write_jsonl(tmp_path / "docs.jsonl", varied_texts(8))
     cfg = cal.make_config("quick", dataset=str(texts), num_samples=6, seq_len=32, batch_size=3, device="cpu", scores="none")
     outs = [cal.calibrate(str(models["llama"]), tmp_path / f"c{i}", cfg, show_progress=False).path for i in range(2)]
-    assert (outs[0] / kvcache.FILE).read_bytes() == (outs[1] / kvcache.FILE).read_bytes()
+    assert (outs[0] / kv_file.FILE).read_bytes() == (outs[1] / kv_file.FILE).read_bytes()
     meta = json.loads((outs[0] / "calibration.json").read_text())
-    assert meta["kv_cache"] == {"file": kvcache.FILE, "point": kvcache.POINT, "layers": 2}
-    kv = load_file(str(outs[0] / kvcache.FILE))
+    assert meta["kv_cache"] == {"file": kv_file.FILE, "point": kvcache.POINT, "layers": 2}
+    kv = load_file(str(outs[0] / kv_file.FILE))
     assert sorted(kv) == [f"model.layers.{i}.self_attn.{w}_amax" for i in range(2) for w in "kv"]
     assert all(t.dtype == torch.float32 and t.shape == () and float(t) > 0 for t in kv.values())
     # The same numbers as the collector on the same batches, computed here directly.
@@ -175,26 +177,26 @@ def test_fp8_qdq_is_e4m3_of_x_over_scale_saturating():
     finite = codes[torch.isfinite(codes.float())].float()
     x = (finite * scale).reshape(-1, 1)
     # Every E4M3 value times the scale survives exactly (x / scale rounds back to itself).
-    assert torch.equal(kvcache.qdq(x, scale, "fp8"), (finite * scale).reshape(-1, 1))
+    assert torch.equal(kv_format.qdq(x, scale, "fp8"), (finite * scale).reshape(-1, 1))
     big = torch.tensor([[1e6, -1e6, 449.0 * 0.0371, float("inf")]])
     top = float(torch.tensor(448.0) * scale)  # float32 arithmetic, as qdq's
-    assert kvcache.qdq(big, scale, "fp8").tolist()[0] == [top, -top, top, top]
+    assert kv_format.qdq(big, scale, "fp8").tolist()[0] == [top, -top, top, top]
     # Round to nearest even between two E4M3 neighbours (1.0 and 1.125 → tie 1.0625 goes to 1.0).
-    assert kvcache.qdq(torch.tensor([[1.0625, 1.1875]]), 1.0, "fp8").tolist() == [[1.0, 1.25]]
+    assert kv_format.qdq(torch.tensor([[1.0625, 1.1875]]), 1.0, "fp8").tolist() == [[1.0, 1.25]]
 
 
 def test_nvfp4_qdq_is_nvfp4_with_the_scale_as_tensor_scale(gen):
     x = torch.randn(2, 3, 5, 32, generator=gen, dtype=torch.float32) * 4
-    scale = x.abs().amax() / kvcache.SCALE_DIVISOR
+    scale = x.abs().amax() / kv_format.SCALE_DIVISOR
     want = fp4_qdq(x.reshape(-1, 32), "nvfp4", alpha=scale, backend="reference").reshape(x.shape)
-    assert torch.equal(kvcache.qdq(x, scale, "nvfp4"), want)
+    assert torch.equal(kv_format.qdq(x, scale, "nvfp4"), want)
 
 
 # ----------------------------------------------------------------------------- pack
 
 
 def _kv_amax(calib: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(calib / kvcache.FILE))
+    return load_file(str(calib / kv_file.FILE))
 
 
 @pytest.mark.parametrize(
@@ -248,7 +250,7 @@ def test_pack_without_kv_cache_writes_no_kv_scales(models, tmp_path):
 
 def _classes(out: Path) -> dict[str, int]:
     ck = Checkpoint(out)
-    kv = {n for a in ck.kv_scales() for n in kvcache.scale_names(a, ck.format.kv_style)}
+    kv = {n for a in ck.kv_scales() for n in kv_format.scale_names(a, ck.format.kv_style)}
     got = {"kv-cache scales": sum(e.nbytes for n, e in ck.model.entries.items() if n in kv)}
     st = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     js = sum(p.stat().st_size for p in out.iterdir() if p.name.endswith(".index.json") or p.name == "hf_quant_config.json")
@@ -321,9 +323,9 @@ def test_unsupported_kv_cache_is_one_line(models, tmp_path, fmt, kind, needle):
 def test_non_finite_kv_amax_is_one_line(models, tmp_path):
     model = models["qwen3"]
     calib = make_calibration(model, tmp_path / "c", kv=True)
-    kv = load_file(str(calib / kvcache.FILE))
+    kv = load_file(str(calib / kv_file.FILE))
     kv["model.layers.1.self_attn.v_amax"] = torch.tensor(float("nan"))
-    save_file(kv, str(calib / kvcache.FILE))
+    save_file(kv, str(calib / kv_file.FILE))
     out = tmp_path / "ck"
     p = run("pack", str(model), "--calib", str(calib), "--out", str(out), "--ratio", "0", "--kv-cache", "fp8")
     assert_one_line_error(p, 2, "model.layers.1.self_attn", "finite and positive")
@@ -332,10 +334,10 @@ def test_non_finite_kv_amax_is_one_line(models, tmp_path):
 def test_corrupt_kv_file_is_one_line(models, tmp_path):
     model = models["qwen3"]
     calib = make_calibration(model, tmp_path / "c", kv=True)
-    raw = (calib / kvcache.FILE).read_bytes()
-    (calib / kvcache.FILE).write_bytes(struct.pack("<Q", 1 << 40) + raw[8:40])
+    raw = (calib / kv_file.FILE).read_bytes()
+    (calib / kv_file.FILE).write_bytes(struct.pack("<Q", 1 << 40) + raw[8:40])
     p = run("pack", str(model), "--calib", str(calib), "--out", str(tmp_path / "ck"), "--ratio", "0", "--kv-cache", "fp8")
-    assert_one_line_error(p, 2, kvcache.FILE)
+    assert_one_line_error(p, 2, kv_file.FILE)
 
 
 # ----------------------------------------------------------------------------- verify
@@ -376,9 +378,9 @@ def test_verify_refuses_kv_scales_of_another_calibration(models, kv_packed, tmp_
     other.mkdir()
     for f in calib.iterdir():
         (other / f.name).write_bytes(f.read_bytes())
-    kv = load_file(str(other / kvcache.FILE))
+    kv = load_file(str(other / kv_file.FILE))
     kv["model.layers.1.self_attn.k_amax"] = kv["model.layers.1.self_attn.k_amax"] * 1.5
-    save_file(kv, str(other / kvcache.FILE))
+    save_file(kv, str(other / kv_file.FILE))
     out = tmp_path / "v"
     p = run("verify", str(ckpt), "--model", str(models["llama"]), "--calib", str(other), "--text", str(texts), "--samples", "2",
             "--seq-len", "32", "--device", "cpu", "--out", str(out))
@@ -400,7 +402,7 @@ def test_nvfp4_kv_needs_a_head_dim_multiple_of_16():
     from resserve_export.core.errors import UserError
 
     with pytest.raises(UserError, match="head dimension 24 is not a multiple of 16"):
-        kvcache.qdq(torch.ones(1, 2, 3, 24), 1.0, "nvfp4")
+        kv_format.qdq(torch.ones(1, 2, 3, 24), 1.0, "nvfp4")
 
 
 def _packed_kv(models, tmp_path) -> Path:

@@ -26,7 +26,8 @@ from resserve_export.modeling import modelio
 from resserve_export.formats import nvfp4
 from resserve_export.storage.checkpoint import read_checkpoint
 from resserve_export.core.errors import UserError
-from resserve_export.modeling.experts import ExpertCollector, expert_blocks, fused_modules
+from resserve_export.observers.experts import ExpertCollector
+from resserve_export.modeling.experts import expert_blocks, fused_modules
 from resserve_export.stages.pack.run import pack
 from resserve_export.algorithms.selection import mask_to_bool
 from resserve_export.stages.size import estimate
@@ -633,6 +634,7 @@ def test_gpu_segment_statistics_equal_the_cpu_reduction():
     per-segment reduction: the same amax, sums within float32 accumulation (run here on the CPU,
     with chunks smaller than a segment and empty and all-padding segments)."""
     from resserve_export.modeling import experts
+    from resserve_export.observers import experts
 
     g = torch.Generator().manual_seed(3)
     lengths = [5, 0, 37, 1, 0, 64, 9]

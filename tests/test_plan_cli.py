@@ -11,6 +11,7 @@ import pytest
 from resserve_export.modeling import modelio
 
 from resserve_export.stages import plan as P
+from resserve_export.core import names
 from resserve_export.cli import main
 
 KINDS = [
@@ -35,7 +36,7 @@ def make_scores(layers=6, seed=0, ties=False):
                 {
                     "modules": [f"model.layers.{l}.{block}.{m}" for m in leaves],
                     "weight_count": sum(outs) * K,
-                    "scores": {P.ratio_key(r): v for r, v in zip((0, 0.125, 0.25, 0.5, 1), vals)},
+                    "scores": {names.ratio_key(r): v for r, v in zip((0, 0.125, 0.25, 0.5, 1), vals)},
                 }
             )
     return {"method": "kl", "samples": 4, "ratios": [0, 0.125, 0.25, 0.5, 1], "groups": groups}
@@ -79,7 +80,7 @@ def test_plan_contract_and_budget(calib, capsys):
     for sg, pg in zip(scores["groups"], plan["groups"]):
         # A fused group is one decision: one entry, one ratio, all members listed.
         assert pg["modules"] == sg["modules"]
-        assert pg["score"] == sg["scores"][P.ratio_key(pg["ratio"])]
+        assert pg["score"] == sg["scores"][names.ratio_key(pg["ratio"])]
         assert pg["bits"] == 4 * (1 + pg["ratio"])
     assert math.isclose(plan["objective"], sum(g["score"] for g in plan["groups"]))
     # Uniform 0.25 costs the same bits; the optimum can only be better.

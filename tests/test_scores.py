@@ -243,7 +243,7 @@ SMOL_LAYERS = (0, 1, 2, 3, 26, 27, 28, 29)
 def smollm2():
     from resserve_export.modeling import data
     from resserve_export.modeling import modelio
-    from resserve_export.stages.calibrate.run import collect
+    from resserve_export.observers.stats import collect
 
     model_dir = modelio.resolve_model(str(modelio.default_model()))
     model = modelio.load_model(model_dir, dtype="bfloat16")

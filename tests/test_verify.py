@@ -12,6 +12,7 @@ from fixtures.tiny import make_calibration, make_model
 from resserve_export.algorithms import kernel
 from resserve_export.modeling import modelio
 from resserve_export.stages.verify import run as verify
+from resserve_export.observers import capture
 from resserve_export.storage.checkpoint import Checkpoint, PackedLinear
 from resserve_export.cli import main
 from resserve_export.algorithms.emulate import QuantizedWeight, quantized_matmul
@@ -84,7 +85,7 @@ def test_evaluate_on_a_tiny_packed_model(tiny_ckpt):
     mask = torch.ones_like(ids)
     mask[1, 20:] = 0  # padding is never captured nor scored
     batches = [{"input_ids": ids, "attention_mask": mask}]
-    from resserve_export.stages.calibrate.run import load_stats
+    from resserve_export.storage.calibration import load_stats
 
     sal = {m: v["mean_abs"] for m, v in load_stats(calib).items()}
     rep = verify.evaluate(net, ck, batches, sal, device=torch.device("cpu"), max_tokens=1000)
@@ -132,7 +133,7 @@ def test_cli_errors_are_one_line(tiny_ckpt, tmp_path, capsys):
 def test_smollm2_direction_on_real_inputs():
     """Real SmolLM2 inputs (held-out plays), selection from calibration-split salience."""
     from resserve_export.modeling import data
-    from resserve_export.stages.calibrate.run import collect
+    from resserve_export.observers.stats import collect
     from resserve_export.modeling.groups import group_linears, linears_of
 
     model_dir = modelio.resolve_model(str(modelio.default_model()))
@@ -142,7 +143,7 @@ def test_smollm2_direction_on_real_inputs():
     cal = data.batches(data.make_samples(tok, data.load_documents("shakespeare:calib"), 8, 128, 1), 4)
     stats, _ = collect(net, cal, groups)
     ev = data.batches(data.make_samples(tok, data.load_documents("shakespeare:eval"), 4, 128, 0), 4)
-    cap = verify.InputCapture(net, [g.modules for g in groups], 512)
+    cap = capture.InputCapture(net, [g.modules for g in groups], 512)
     with torch.inference_mode():
         for b in ev:
             cap.set_mask(b["attention_mask"])
@@ -168,7 +169,7 @@ def test_smollm2_direction_on_real_inputs():
 @pytest.mark.gpu
 @pytest.mark.skipif(not kernel.KERNEL_AVAILABLE, reason=f"needs a CUDA GPU and nvcc for the fused kernel: {kernel.KERNEL_UNAVAILABLE_REASON}")
 def test_gpu_run_uses_the_kernel_and_agrees_with_cpu(tiny_ckpt):
-    from resserve_export.stages.calibrate.run import load_stats
+    from resserve_export.storage.calibration import load_stats
 
     model_dir, calib, ck_dir = tiny_ckpt
     ck = Checkpoint(ck_dir)

@@ -328,7 +328,7 @@ def test_fp8_kv_cache_uses_our_scales(env, ratio, method):
     32 greedy tokens, every held-out logprob to LOGPROB_ATOL. With `verify`'s KV emulation instead
     (round to nearest, as GPU engines store FP8) the perplexity is within KV_PPL_RTOL too."""
     from resserve_export.storage.checkpoint import Checkpoint
-    from resserve_export.observers.kvcache import KVQuantizer
+    from resserve_export.observers.kv import KVQuantizer
 
     path = kv_ckpt(env, ratio)
     extra = STOCK if method == "stock" else PLUGIN

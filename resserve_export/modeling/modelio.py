@@ -329,3 +329,19 @@ def load_model_on(model_dir: Path, device: str = "auto", dtype: str = "bfloat16"
         model.eval()
         return model
     return load_model(model_dir, dtype, device_map={"": d})
+
+
+def source_dtype(shapes: dict[str, tuple[str, tuple[int, ...]]], modules: list[str], model_dir: Path) -> str:
+    """The torch dtype name (``bfloat16``, ``float16``, ``float32``) of the quantized linears'
+    weights in the source headers `shapes` (name -> (safetensors dtype, shape)).
+
+    `pack` records it so that `verify` loads the model in the dtype the weights were quantized
+    from: in any other dtype the re-quantization differs and the NMSE reference is not the
+    source's. One dtype is required, since the model is loaded in one.
+    """
+    from resserve_export.storage.checkpoint import DTYPES
+
+    found = sorted({shapes[f"{m}.weight"][0] for m in modules})
+    if len(found) != 1:
+        raise UserError(f"the quantized linears of {model_dir} have mixed weight dtypes ({', '.join(found)}): convert the model to one dtype first")
+    return str(DTYPES[found[0]][0]).removeprefix("torch.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from resserve_export.observers import kvcache
+from resserve_export.formats import kv as kv_format
 from resserve_export.storage.checkpoint import Checkpoint
 
 
@@ -18,7 +18,7 @@ def inspect_checkpoint(ckpt_dir: str | os.PathLike) -> dict:
     ck = Checkpoint(ckpt_dir)
     model, side = ck.model.entries, ck.sidecar.entries
     kv = ck.kv_scales()
-    kv_names = {n for a in kv for n in kvcache.scale_names(a, ck.format.kv_style)}
+    kv_names = {n for a in kv for n in kv_format.scale_names(a, ck.format.kv_style)}
 
     def owned(entries, module):
         prefix = module + "."

@@ -11,12 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from resserve_export.formats import registry
-from resserve_export.storage.checkpoint import HF_QUANT_CONFIG, MODEL_INDEX, SIDECAR_INDEX, TensorSpec, natural_key, split_shards
+from resserve_export.formats.registry import HF_QUANT_CONFIG
+from resserve_export.storage.checkpoint import MODEL_INDEX, SIDECAR_INDEX, TensorSpec, split_shards
+from resserve_export.core.names import natural_key
 from resserve_export.formats.constants import SELECTION_GROUP
 from resserve_export.core.errors import UserError
 from resserve_export.modeling.experts import expert_blocks
 from resserve_export.modeling.groups import Group, group_linears, linears_from_shapes
 from resserve_export.algorithms.kext import ext_width
+from resserve_export.core.names import MASK_SUFFIX, EXT_WEIGHT_SUFFIX, EXT_SCALE_SUFFIX
 
 # Files of a source model that are weights or that `pack` writes itself: never copied.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt", ".onnx")
@@ -44,29 +47,30 @@ def _member_specs(fmt: str, module: str, N: int, K: int, ratio: float) -> tuple[
     plain = [TensorSpec(*spec) for spec in f.base_specs(module, N, K)]
     side: list[TensorSpec] = []
     if ratio > 0:
-        side.append(TensorSpec(f"{module}.resserve_mask", "U8", (K // SELECTION_GROUP,)))
+        side.append(TensorSpec(f"{module}.{MASK_SUFFIX}", "U8", (K // SELECTION_GROUP,)))
     K_E = ext_width(K, ratio, f)
     if K_E:
-        side.append(TensorSpec(f"{module}.resserve_weight", "U8", (N, K_E // 2)))
-        side.append(TensorSpec(f"{module}.resserve_weight_scale", f.scale_st_dtype, (N, K_E // f.block)))
+        side.append(TensorSpec(f"{module}.{EXT_WEIGHT_SUFFIX}", "U8", (N, K_E // 2)))
+        side.append(TensorSpec(f"{module}.{EXT_SCALE_SUFFIX}", f.scale_st_dtype, (N, K_E // f.block)))
     return plain, side
 
 
 def kv_specs(shapes: dict[str, tuple[str, tuple[int, ...]]], fmt: str, kv_cache: str) -> dict[str, TensorSpec]:
     """The KV-cache scale tensors of a checkpoint in format `fmt` with KV-cache format `kv_cache`
     (none for ``none``): a k and a v scale per attention module of the headers."""
-    from resserve_export.observers import kvcache
+    from resserve_export.modeling import attention as attention_layers
+    from resserve_export.formats import kv as kv_format
 
-    if kvcache.check_for_format(kv_cache, fmt) == "none":
+    if kv_format.check_for_format(kv_cache, fmt) == "none":
         return {}
     f = registry.get(fmt)
-    attention = kvcache.attention_modules(shapes)
+    attention = attention_layers.attention_modules(shapes)
     if not attention:
         raise UserError("the model has no attention layers with k_proj / v_proj: it cannot carry KV-cache scales; use --kv-cache none")
     out = {}
     for a in attention:
-        for name in kvcache.scale_names(a, f.kv_style):
-            out[name] = TensorSpec(name, "F32", kvcache.scale_shape(f.kv_style))
+        for name in kv_format.scale_names(a, f.kv_style):
+            out[name] = TensorSpec(name, "F32", kv_format.scale_shape(f.kv_style))
     return out
 
 
@@ -158,7 +162,7 @@ def build_layout(
             for s in plain:
                 cls[s.name] = "linear"
             for s in side:
-                cls[s.name] = "mask" if s.name.endswith("resserve_mask") else "extension"
+                cls[s.name] = "mask" if s.name.endswith(MASK_SUFFIX) else "extension"
         items.append(("group", g))
         mode = "plain" if ratio == 0 else ("full" if ratio == 1 else "k_ext")
         records.append({"members": list(g.modules), "ratio": ratio, "mode": mode, "K": K, "K_E": K_E})

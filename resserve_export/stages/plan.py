@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from fractions import Fraction
 from pathlib import Path
 
+from resserve_export.core.errors import UserError
+from resserve_export.core.names import ratio_key
+from resserve_export.core.outputs import write_file_atomic
+from resserve_export.formats.constants import RATIOS
 from resserve_export.planners import Infeasible, Problem, objective, total_cost
 from resserve_export.planners import solve as solve_problem
-
-from resserve_export.formats.constants import RATIOS
-from resserve_export.core.errors import UserError
-from resserve_export.core.outputs import write_file_atomic
+from resserve_export.core.names import layer_index
 
 SCORES_FILE = "scores.json"
 CALIBRATION_FILE = "calibration.json"
@@ -30,11 +30,6 @@ PLAN_FILE = "plan.json"
 CHART_FILE = "plan.png"
 MIN_BUDGET, MAX_BUDGET = 4.0, 8.0
 PLAN_VERSION = 1
-
-
-def ratio_key(ratio: float) -> str:
-    """The key of a ratio in scores.json: "0", "0.125", "0.25", "0.5", "1"."""
-    return f"{float(ratio):g}"
 
 
 def bits_of(ratio: float) -> float:
@@ -292,14 +287,6 @@ def write_plan(plan: dict, out: Path, *, with_chart: bool = True) -> Path | None
     return chart_path if with_chart else None
 
 
-_LAYER = re.compile(r"\.(\d+)\.")
-
-
-def layer_of(module: str) -> int | None:
-    m = _LAYER.search(module)
-    return int(m.group(1)) if m else None
-
-
 def kind_of(modules: list[str]) -> str:
     """Short label of a group's member leaves: "q/k/v", "gate/up", "o", "down"...; a routed
     expert's groups: "experts gate/up", "experts down" (Mixtral: "experts w1/w3", "experts w2")."""
@@ -318,7 +305,7 @@ def by_layer(plan: dict) -> tuple[list[str], dict[int | None, dict[str, dict]]]:
         k = kind_of(g["modules"])
         if k not in kinds:
             kinds.append(k)
-        row = layers.setdefault(layer_of(g["modules"][0]), {})
+        row = layers.setdefault(layer_index(g["modules"][0]), {})
         if k in row:
             a = row[k]
             n = a["weight_count"] + g["weight_count"]

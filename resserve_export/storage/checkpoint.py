@@ -37,11 +37,12 @@ from pathlib import Path
 
 import torch
 
+from resserve_export.core.errors import UserError
+from resserve_export.core.names import natural_key
 from resserve_export.formats import registry
 from resserve_export.formats.constants import SELECTION_GROUP
-from resserve_export.core.errors import UserError
 from resserve_export.formats.qtensor import FP4Tensor, read_base
-from resserve_export.formats.registry import HF_QUANT_CONFIG, PRODUCER  # noqa: F401  (names of this module before the registry)
+from resserve_export.core.names import MASK_SUFFIX, EXT_WEIGHT_SUFFIX, EXT_SCALE_SUFFIX
 
 FORMAT_VERSION = 1
 MODEL_PREFIX = "model"
@@ -79,11 +80,6 @@ def st_dtype(dtype: torch.dtype) -> str:
 def shard_name(prefix: str, i: int, n: int) -> str:
     """``model-00001-of-00003.safetensors`` (i counts from 1)."""
     return f"{prefix}-{i:05d}-of-{n:05d}.safetensors"
-
-
-def natural_key(name: str) -> tuple:
-    """Sort key that orders ``layers.2`` before ``layers.10``: the canonical tensor order."""
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"[.]", name))
 
 
 def parse_size(text: str | int) -> int:
@@ -484,16 +480,16 @@ class Checkpoint:
     def kv_scales(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{attention module: (k_scale, v_scale)}`` (0-d float32) of a checkpoint with KV-cache
         scales, else empty."""
-        from resserve_export.observers import kvcache
+        from resserve_export.formats import kv as kv_format
 
         if self.kv_cache == "none":
             return {}
         out = {}
-        suffix_k = kvcache.scale_names("", self.format.kv_style)[0]
+        suffix_k = kv_format.scale_names("", self.format.kv_style)[0]
         for name in self.model.entries:
             if name.endswith(suffix_k):
                 attn = name[: -len(suffix_k)]
-                k, v = kvcache.scale_names(attn, self.format.kv_style)
+                k, v = kv_format.scale_names(attn, self.format.kv_style)
                 if v not in self.model:
                     raise UserError(f"{self.dir} has {k} but no {v}: the checkpoint is incomplete, re-run pack")
                 out[attn] = (self.model.get(k).float().reshape(()), self.model.get(v).float().reshape(()))
@@ -508,11 +504,11 @@ class Checkpoint:
         fmt = self.fmt
         base, input_scale = read_base(self.format, self.model.get, module)
         alpha = base.global_scale
-        mask = self.sidecar.get(f"{module}.resserve_mask") if f"{module}.resserve_mask" in self.sidecar else None
+        mask = self.sidecar.get(f"{module}.{MASK_SUFFIX}") if f"{module}.{MASK_SUFFIX}" in self.sidecar else None
         ext = None
-        if f"{module}.resserve_weight" in self.sidecar:
+        if f"{module}.{EXT_WEIGHT_SUFFIX}" in self.sidecar:
             ext = FP4Tensor(
-                fmt, self.sidecar.get(f"{module}.resserve_weight"), self.sidecar.get(f"{module}.resserve_weight_scale"), alpha
+                fmt, self.sidecar.get(f"{module}.{EXT_WEIGHT_SUFFIX}"), self.sidecar.get(f"{module}.{EXT_SCALE_SUFFIX}"), alpha
             )
         return PackedLinear(
             module, fmt, base, ext, mask, float(g["ratio"]), g["mode"], input_scale, tuple(g["members"]), g["K"], g["K_E"]

@@ -15,15 +15,9 @@ checkpoint exactly as stock vLLM does (plain W4A4, sidecar ignored).
 
 from __future__ import annotations
 
-import os
+from resserve_export.vllm_plugin.settings import method_enabled
 
 _done = False
-
-METHOD_ENV = "RESSERVE_VLLM_METHOD"
-
-
-def method_enabled() -> bool:
-    return os.environ.get(METHOD_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def register_all() -> None:

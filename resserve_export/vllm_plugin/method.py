@@ -49,13 +49,14 @@ from resserve_export.formats.ops import dequantize
 from resserve_export.formats.mxfp4 import ScaleRounding
 from resserve_export.formats.qtensor import FP4Tensor, read_base
 from resserve_export.algorithms.selection import mode_of
-from resserve_export.vllm_plugin._register import method_enabled
+from resserve_export.vllm_plugin.settings import method_enabled
 from resserve_export.vllm_plugin.moe import act_and_mul, routed_rows
+from resserve_export.core.names import MASK_SUFFIX, EXT_WEIGHT_SUFFIX, EXT_SCALE_SUFFIX
+from resserve_export.storage.checkpoint import SIDECAR_INDEX
 
 NAME = "resserve"
 DECODE_ROWS_ENV = "RESSERVE_DECODE_ROWS"
 DEFAULT_DECODE_ROWS = 16
-SIDECAR_INDEX = "resserve.safetensors.index.json"
 
 
 def decode_rows() -> int:
@@ -212,14 +213,14 @@ class ResServeConfig(QuantizationConfig):
         mask = None
         w_ext = None
         if ratio > 0:
-            masks = [side.get(f"{m}.resserve_mask") for m in members]
+            masks = [side.get(f"{m}.{MASK_SUFFIX}") for m in members]
             if any(not torch.equal(masks[0], x) for x in masks[1:]):
                 raise ValueError(f"resserve: fused members {members} carry different masks")
             mask = masks[0]
         if mode_of(ratio) == "k_ext":
             f = self.format
-            codes = torch.cat([side.get(f"{m}.resserve_weight") for m in members])
-            scales = f.as_scales(torch.cat([side.get(f"{m}.resserve_weight_scale") for m in members]))
+            codes = torch.cat([side.get(f"{m}.{EXT_WEIGHT_SUFFIX}") for m in members])
+            scales = f.as_scales(torch.cat([side.get(f"{m}.{EXT_SCALE_SUFFIX}") for m in members]))
             w_ext = dequantize(FP4Tensor(f.name, codes, scales, base.global_scale))
         return LoadedWeight(self.fmt, ratio, self.rounding, mask, dequantize(base), w_ext)
 

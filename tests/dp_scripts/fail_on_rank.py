@@ -7,6 +7,7 @@ import os
 import sys
 
 from resserve_export.stages.calibrate import run as calibrate
+from resserve_export.observers import stats
 from resserve_export.stages.calibrate import sequential
 from resserve_export.cli import main
 from resserve_export.core.errors import UserError
@@ -18,7 +19,7 @@ if os.environ.get("RANK") == rank:
         raise UserError(f"injected failure on rank {rank}")
 
     if where == "statistics":
-        calibrate.collect = broken
+        stats.collect = broken
         real = sequential.collect_sequential
 
         def failing_sequential(*args, combine=None, **kwargs):

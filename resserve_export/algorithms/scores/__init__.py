@@ -52,13 +52,10 @@ from resserve_export.algorithms.scores.kl import _kl_scores, evaluate_kl, evalua
 from resserve_export.algorithms.scores.pool import CandidatePool, default_budget
 from resserve_export.algorithms.scores.precision import PRECISIONS, _bytes_per_weight, resolve_precision
 from resserve_export.algorithms.scores.progress import scoring_progress
+from resserve_export.core.names import ratio_key
 
 METHODS = ("kl", "grad")
 DEFAULT_RATIOS = RATIOS
-
-
-def ratio_key(ratio: float) -> str:
-    return f"{float(ratio):g}"
 
 
 def compute_scores(

@@ -15,24 +15,24 @@ Output (the calibration dir, written atomically by :func:`write_dir_atomic`):
 
 from __future__ import annotations
 
-import functools
 import importlib.resources
 import json
 import math
-import os
-import platform
 import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from resserve_export.formats.constants import MXFP4_BLOCK, RATIOS
-from resserve_export.formats.registry import FORMATS
 from resserve_export.core.errors import UserError
-from resserve_export.modeling.groups import Group, expert_modules, group_linears, is_quantized
+from resserve_export.core.names import natural_key
 from resserve_export.core.outputs import check_out_dir, clean_stale, temp_sibling, write_dir_atomic
 from resserve_export.core.ui import Progress
+from resserve_export.formats.constants import MXFP4_BLOCK, RATIOS
+from resserve_export.formats.registry import FORMATS
+from resserve_export.modeling.groups import Group, expert_modules, group_linears, is_quantized
+from resserve_export.observers.stats import collect
+from resserve_export.storage.calibration import save_stats, versions
 
 # The presets: the repository's calib_configs/, installed as the package data of
 # resserve_export.calib_configs (pyproject's package-dir), so bare names work from a wheel too.
@@ -41,38 +41,6 @@ SCORE_METHODS = ("none", "grad", "kl")
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 # Every quantized input dimension must hold whole MXFP4 blocks (32), which also covers NVFP4 (16).
 IN_FEATURES_MULTIPLE = MXFP4_BLOCK
-# CPU hook reduction chunk: 2**19 floats (2 MiB in float32) stay in a core's L2/L3.
-CPU_CHUNK_ELEMENTS = 1 << 19
-
-
-def _abs_sum_max(x):
-    a = x.float().abs()
-    return a.sum(0), a.amax()
-
-
-@functools.lru_cache(maxsize=1)
-def _compiled_cpu_reduce():
-    """Σ|x| (FP32, per column) and max|x| fused into one pass over the activation by inductor.
-
-    About 3x cheaper than the chunked eager reduction on CPU; None (eager fallback) when
-    compilation is unavailable or disabled with RESSERVE_BACKEND=reference.
-    """
-    import torch
-
-    if os.environ.get("RESSERVE_BACKEND", "") == "reference":
-        return None
-    try:
-        from resserve_export.core.compiling import compile_or_eager
-
-        fn = compile_or_eager(_abs_sum_max, dynamic=True)
-        probe = torch.arange(64, dtype=torch.float32).reshape(8, 8).to(torch.bfloat16) - 30
-        s, m = fn(probe)
-        ref = probe.float().abs()
-        if not (torch.equal(s, ref.sum(0)) and torch.equal(m, ref.amax())):
-            return None
-        return fn
-    except Exception:
-        return None
 
 
 @dataclass
@@ -185,341 +153,13 @@ def make_config(preset: str | None = None, **overrides) -> CalibConfig:
 
 def check_in_features(linears: dict[str, tuple[int, int]]) -> None:
     """Every quantized linear needs in_features divisible by 32 (whole FP4 blocks and selection groups)."""
-    for name in sorted(linears, key=_natural_key):
+    for name in sorted(linears, key=natural_key):
         k = linears[name][1]
         if is_quantized(name) and k % IN_FEATURES_MULTIPLE:
             raise UserError(
                 f"linear {name} has in_features {k}, not a multiple of {IN_FEATURES_MULTIPLE}: "
                 "FP4 blocks cannot tile it; this model is not supported"
             )
-
-
-def _same_rows(shape: tuple, batch: tuple) -> bool:
-    """Whether leading dims `shape` are the batch's [B, T] with extra size-1 dims (DeepSeek's MLA
-    feeds kv_b_proj [B, 1, T, r]) or flattened (Qwen2-MoE's shared expert reads [B·T, H]): its
-    rows are then the batch's tokens in order."""
-    return tuple(d for d in shape if d != 1) == tuple(d for d in batch if d != 1) or tuple(shape) == (math.prod(batch),)
-
-
-def _natural_key(name: str) -> list:
-    """Sort module paths with layer numbers as numbers (layers.2 before layers.10)."""
-    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in name.split(".")]
-
-
-def finite_each(tensors: list) -> list[bool]:
-    """Whether each tensor holds only finite values, with one device-to-host copy per device
-    (not one per tensor: a sync per layer would stall a GPU forward's launch queue)."""
-    import torch
-
-    by_device: dict = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
-    out = [True] * len(tensors)
-    for idx in by_device.values():
-        flat = torch.isfinite(torch.cat([tensors[i].reshape(-1) for i in idx])).tolist()
-        pos = 0
-        for i in idx:
-            n = tensors[i].numel()
-            out[i] = all(flat[pos : pos + n])
-            pos += n
-    return out
-
-
-class StatsCollector:
-    """Forward pre-hooks accumulating Σ|x| (float64), valid-token count and amax per decision group.
-
-    Use :meth:`set_mask` with each batch's attention mask before the forward pass and
-    :meth:`end_batch` after it. Padding tokens (mask 0) never enter the statistics.
-    """
-
-    # GPU token reduction: "norm" (fused |x| in the reduction kernels) or "abs" (|x| materialised).
-    gpu_reduction = "norm"
-
-    def __init__(self, model, groups: list[Group], keep_batches: bool = False):
-        import torch
-
-        self._torch = torch
-        self.groups = groups
-        # Every batch's partial sums too (data-parallel ranks: see `distributed`).
-        self.keep_batches = keep_batches
-        self._batches: list[list] = [[] for _ in groups]
-        modules = dict(model.named_modules())
-        self._sum: list = [None] * len(groups)
-        self._amax: list = [None] * len(groups)
-        self._first_call: list[int | None] = [None] * len(groups)
-        self._calls = 0
-        self.num_tokens = 0
-        self._mask = None
-        self._rows: dict = {}
-        self._handles = []
-        self._cpu_buf: dict = {}
-        self._cpu_ones: dict = {}
-        self.paused = False  # hooks do nothing while set (the sequential pipeline's score batches)
-        for gi, g in enumerate(groups):
-            head = g.modules[0]
-            if head not in modules:
-                raise UserError(f"linear {head} is not in the model: the weights and the architecture do not match")
-            self._handles.append(modules[head].register_forward_pre_hook(self._make_hook(gi)))
-
-    def __enter__(self) -> StatsCollector:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def set_mask(self, attention_mask) -> None:
-        """The current batch's validity ``[B, T]`` (1 = real token, 0 = padding)."""
-        torch = self._torch
-        self._rows = {}
-        m = attention_mask.detach().to("cpu").bool()
-        self._mask = m
-        self._shape = tuple(m.shape)
-        self._all_valid = bool(m.all())
-        self._batch_tokens = int(m.sum())
-        self._valid_idx = None if self._all_valid else torch.nonzero(m.reshape(-1)).reshape(-1)
-
-    def _rows_for(self, x):
-        """(index of valid rows or None, accumulation dtype) for x's device and dtype."""
-        key = (x.device, x.dtype)
-        r = self._rows.get(key)
-        if r is None:
-            torch = self._torch
-            acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-            idx = None if self._all_valid else self._valid_idx.to(x.device)
-            r = self._rows[key] = (idx, acc)
-        return r
-
-    def _cpu_reduce(self, xf, acc):
-        """Σ|x| over rows and max |x| on CPU, in row chunks that stay in cache.
-
-        Each chunk is copied into a reused float buffer, made absolute in place, summed with a
-        GEMV and max-reduced: the activation is read from memory once, and no large temporary
-        is allocated (page faults of fresh buffers cost as much as the arithmetic).
-        """
-        torch = self._torch
-        t, k = xf.shape
-        rows = max(1, min(t, CPU_CHUNK_ELEMENTS // k))
-        buf = self._cpu_buf.get(acc)
-        if buf is None or buf.numel() < rows * k:
-            buf = self._cpu_buf[acc] = torch.empty(rows * k, dtype=acc)
-        ones = self._cpu_ones.get(acc)
-        if ones is None or ones.numel() < rows:
-            ones = self._cpu_ones[acc] = torch.ones(rows, dtype=acc)
-        s = torch.zeros(k, dtype=acc)
-        maxima = []
-        for i in range(0, t, rows):
-            n = min(rows, t - i)
-            a = buf[: n * k].view(n, k).copy_(xf[i : i + n]).abs_()
-            s.addmv_(a.t(), ones[:n])
-            maxima.append(a.amax())
-        m = maxima[0] if len(maxima) == 1 else torch.stack(maxima).amax()
-        return s, m
-
-    def _make_hook(self, gi: int):
-        torch = self._torch
-        name = self.groups[gi].modules[0]
-
-        def hook(module, args):
-            if self.paused:
-                return None
-            x = args[0]
-            if self._first_call[gi] is None:
-                self._first_call[gi] = self._calls
-                self._calls += 1
-            if self._mask is None:
-                raise RuntimeError("StatsCollector.set_mask() must be called before each forward pass")
-            if tuple(x.shape[:-1]) != self._shape and not _same_rows(tuple(x.shape[:-1]), self._shape):
-                raise UserError(
-                    f"linear {name} sees input of shape {tuple(x.shape)}, not [batch, tokens, features] of the batch "
-                    f"{self._shape}: padding cannot be excluded for it; this architecture's layout is not supported"
-                )
-            idx, acc = self._rows_for(x)
-            with torch.no_grad():
-                xf = x.detach().reshape(-1, x.shape[-1])
-                if idx is not None:
-                    xf = xf.index_select(0, idx)
-                if xf.device.type == "cpu" and acc == torch.float32 and _compiled_cpu_reduce() is not None:
-                    s, m = _compiled_cpu_reduce()(xf)
-                elif xf.device.type == "cpu":
-                    s, m = self._cpu_reduce(xf, acc)
-                elif self.gpu_reduction == "norm":
-                    # GPU: fused |x| + float32 reductions, no temporary (TF32-proof, unlike a GEMV).
-                    s = torch.linalg.vector_norm(xf, 1, dim=0, dtype=acc)
-                    m = torch.linalg.vector_norm(xf, float("inf"))
-                else:
-                    a = xf.abs()
-                    s = a.sum(0, dtype=acc)
-                    m = a.amax()
-                if self.keep_batches:
-                    self._batches[gi].append(s.detach().to("cpu", copy=True))
-                if self._sum[gi] is None:
-                    self._sum[gi] = s.to(torch.float64)
-                    self._amax[gi] = m.float()
-                else:
-                    self._sum[gi] += s
-                    self._amax[gi] = torch.maximum(self._amax[gi], m.float())
-            return None
-
-        return hook
-
-    def end_batch(self) -> None:
-        """Count the batch's tokens and stop at the first layer that saw NaN/Inf activations."""
-        self.check_finite()
-        self.check_all_ran()
-        self.num_tokens += self._batch_tokens
-        self._mask = None
-
-    def check_finite(self) -> None:
-        """Stop at the first layer (in forward order) whose activations so far hold NaN/Inf."""
-        gis = [gi for gi, a in enumerate(self._amax) if a is not None]
-        bad = [gi for gi, ok in zip(gis, finite_each([self._amax[gi] for gi in gis])) if not ok]
-        if bad:
-            first = min(bad, key=lambda gi: self._first_call[gi])
-            raise UserError(
-                f"non-finite (NaN/Inf) activations reach {self.groups[first].modules[0]} (the first layer that saw them): "
-                "the model's weights or dtype overflow; try --dtype float32 or check the checkpoint"
-            )
-
-    def check_all_ran(self) -> None:
-        missing = [self.groups[gi].modules[0] for gi, s in enumerate(self._sum) if s is None]
-        if missing:
-            raise UserError(f"linear {missing[0]} never ran in the forward pass: the model does not use it; it cannot be calibrated")
-
-    def state(self) -> dict:
-        """The accumulators so far, on the CPU (a resume point of the sequential pipeline)."""
-        cpu = lambda xs: [None if x is None else x.detach().to("cpu", copy=True) for x in xs]  # noqa: E731
-        return {"sum": cpu(self._sum), "amax": cpu(self._amax), "first_call": list(self._first_call), "calls": self._calls}
-
-    def restore(self, state: dict, device) -> None:
-        """Continue from `state` (of :meth:`state`), the accumulators on `device`: the same values,
-        so the following additions give the bits an uninterrupted run gives."""
-        on = lambda xs: [None if x is None else x.to(device) for x in xs]  # noqa: E731
-        self._sum, self._amax = on(state["sum"]), on(state["amax"])
-        self._first_call, self._calls = list(state["first_call"]), state["calls"]
-
-    def parts(self) -> dict:
-        """What a data-parallel rank hands rank 0: every batch's partial sums per group (needs
-        ``keep_batches``), the groups' amax and the token count (`distributed.merge_stats`)."""
-        return {
-            "sums": self._batches,
-            "amax": [None if a is None else a.to("cpu", self._torch.float32) for a in self._amax],
-            "tokens": self.num_tokens,
-        }
-
-    def result(self) -> dict[str, dict]:
-        """``{module: {"mean_abs": float32 [K], "amax": float32 0-d}}`` for every group member (CPU)."""
-        torch = self._torch
-        if self.num_tokens == 0:
-            raise UserError("no valid tokens were seen: the samples are empty")
-        out = {}
-        for g, s, a in zip(self.groups, self._sum, self._amax):
-            mean_abs = (s.to("cpu", torch.float64) / self.num_tokens).to(torch.float32).contiguous()
-            amax = a.to("cpu", torch.float32).reshape(())
-            for m in g.modules:
-                out[m] = {"mean_abs": mean_abs.clone(), "amax": amax.clone()}
-        return out
-
-
-def forward_kwargs(model) -> dict:
-    """Extra forward arguments: no KV cache, and logits of the last position only (lm_head is not quantized)."""
-    import inspect
-
-    kw = {"use_cache": False}
-    try:
-        if "logits_to_keep" in inspect.signature(model.forward).parameters:
-            kw["logits_to_keep"] = 1
-    except (TypeError, ValueError):
-        pass
-    return kw
-
-
-def input_device(model):
-    """Where input ids go: the embedding's device (accelerate moves them on when offloading)."""
-    import torch
-
-    emb = model.get_input_embeddings()
-    dev = emb.weight.device if emb is not None else next(model.parameters()).device
-    return torch.device("cpu") if dev.type == "meta" else dev
-
-
-def collect(
-    model, batches: list[dict], groups: list[Group], progress: Callable[[int, int], None] | None = None, kv=None, parts: bool = False,
-    experts=None,
-) -> tuple[dict, int]:
-    """Run ``batches`` through ``model`` with the statistics hooks. Returns (stats, num_tokens).
-
-    `kv`: a `kvcache.KVCollector` that also sees every batch (through the KV cache the forward
-    pass then fills). `parts`: return `StatsCollector.parts()` (a data-parallel rank's share)
-    instead of the statistics. `experts`: an installed `experts.ExpertCollector` that sees every
-    batch too."""
-    import torch
-
-    dev = input_device(model)
-    kw = forward_kwargs(model)
-    with StatsCollector(model, groups, keep_batches=parts) as col, torch.inference_mode():
-        for b in batches:
-            col.set_mask(b["attention_mask"])
-            if experts is not None:
-                experts.set_mask(b["attention_mask"])
-            extra = {}
-            if kv is not None and kv.problem is None:  # no cache for a model without k_proj / v_proj (MLA)
-                kv.set_mask(b["attention_mask"])
-                extra = kv.forward_kwargs()
-            model(input_ids=b["input_ids"].to(dev), attention_mask=b["attention_mask"].to(dev), **{**kw, **extra})
-            col.end_batch()
-            if experts is not None:
-                experts.end_batch()
-            if kv is not None and kv.problem is None:
-                kv.end_batch()
-            if progress is not None:
-                progress(int(b["input_ids"].shape[0]), int(b["attention_mask"].sum()))
-        if parts:
-            return col.parts(), col.num_tokens
-        return col.result(), col.num_tokens
-
-
-def save_stats(stats: dict[str, dict], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {}
-    for m in sorted(stats):
-        tensors[f"{m}.mean_abs"] = stats[m]["mean_abs"].contiguous()
-        tensors[f"{m}.amax"] = stats[m]["amax"].contiguous()
-    # One metadata key only: safetensors writes several in random order (files must be byte-identical).
-    save_file(tensors, str(path), metadata={"resserve_salience": "1"})
-
-
-def load_stats(calib_dir: Path) -> dict[str, dict]:
-    """Read ``salience.safetensors`` back as ``{module: {"mean_abs": ..., "amax": ...}}``."""
-    from safetensors.torch import load_file
-
-    path = Path(calib_dir) / "salience.safetensors"
-    if not path.is_file():
-        raise UserError(f"{calib_dir} is not a calibration directory (no salience.safetensors): run `resserve-export calibrate` first")
-    out: dict[str, dict] = {}
-    for k, v in load_file(str(path)).items():
-        mod, _, field = k.rpartition(".")
-        out.setdefault(mod, {})[field] = v
-    return out
-
-
-def versions() -> dict[str, str]:
-    from importlib import metadata
-
-    from resserve_export import __version__
-
-    out = {"resserve-export": __version__, "python": platform.python_version()}
-    for pkg in ("torch", "transformers", "datasets", "accelerate", "safetensors"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
 
 
 def calibrate(
@@ -533,9 +173,9 @@ def calibrate(
 ) -> CalibrationResult:
     """The whole command: resolve the model, sample the data, collect statistics, write ``out``
     atomically. `resume`: continue an interrupted layer-by-layer run of the same ``out``."""
-    from resserve_export.modeling import data
-    from resserve_export.observers import kvcache
-    from resserve_export.modeling import modelio
+    from resserve_export.modeling import data, modelio
+    from resserve_export.observers import kv as kvcache
+    from resserve_export.storage import kv_stats as kv_file
 
     t0 = time.perf_counter()
     config.validate()
@@ -618,7 +258,7 @@ def calibrate(
         "pipeline": pipeline,
         "weight_algo": weight_algo,
         "kv_cache": (
-            {"file": kvcache.FILE, "point": kvcache.POINT, "layers": len(kv_stats)}
+            {"file": kv_file.FILE, "point": kvcache.POINT, "layers": len(kv_stats)}
             if kv_stats is not None
             else {"file": None, "why_not": kv_problem}
         ),
@@ -632,7 +272,7 @@ def calibrate(
         if smoothing is not None:
             smoothing.save(tmp / weight_algo["file"])
         if kv_stats is not None:
-            kvcache.save(kv_stats, tmp / kvcache.FILE)
+            kv_file.save(kv_stats, tmp / kv_file.FILE)
         if scores is not None:
             (tmp / "scores.json").write_text(json.dumps(scores, indent=2) + "\n")
         record["wall_time_s"] = round(time.perf_counter() - t0, 3)
@@ -737,9 +377,9 @@ def _score_spec(config):
 
 
 def _collect_sequential(model_dir, out, config, batches, show_progress, on_batch, key, resume):
-    from resserve_export.storage.resume import ResumePoints
-    from resserve_export.stages.calibrate.sequential import collect_sequential
     from resserve_export.core.ui import say
+    from resserve_export.stages.calibrate.sequential import collect_sequential
+    from resserve_export.storage.resume import ResumePoints
 
     groups, n_layers = _sequential_groups(model_dir, config)
     out.absolute().parent.mkdir(parents=True, exist_ok=True)
@@ -887,8 +527,8 @@ def _collect_ranks(ranks, model_dir, config, batches, shapes, show_progress):
     `_collect_whole` returns (stats and scores as one process would compute them)."""
     import torch
 
-    from resserve_export.observers import kvcache
     from resserve_export.modeling import modelio
+    from resserve_export.observers import kv as kvcache
 
     err, net = None, None
     try:
@@ -933,7 +573,8 @@ def _smooth(net, batches, groups, config, shapes, show_progress, blocks=()):
     calibration.json's record)."""
     if config.weight_algo != "awq":
         return None, {"name": "rtn"}
-    from resserve_export.algorithms.awq.smoothing import plan_folds, search_smoothing
+    from resserve_export.algorithms.awq.decoder import plan_folds
+    from resserve_export.algorithms.awq.pipeline import search_smoothing
     from resserve_export.modeling.experts import checkpoint_parameters
 
     blocks = list(blocks)
@@ -948,8 +589,8 @@ def _smooth(net, batches, groups, config, shapes, show_progress, blocks=()):
 
 
 def _collect_whole(model_dir, out, config, batches, shapes, show_progress, on_batch, blocks=()):
-    from resserve_export.observers import kvcache
     from resserve_export.modeling import modelio
+    from resserve_export.observers import kv as kvcache
 
     offload = None
     try:
@@ -973,7 +614,8 @@ def _collect_whole(model_dir, out, config, batches, shapes, show_progress, on_ba
             kv = kvcache.KVCollector(net)
             moe = None
             if blocks:
-                from resserve_export.modeling.experts import ExpertCollector, is_expert
+                from resserve_export.modeling.experts import is_expert
+                from resserve_export.observers.experts import ExpertCollector
 
                 dense = [g for g in groups if not is_expert(g.modules[0])]
                 with ExpertCollector(net, list(blocks), config.moe_calib) as ec:
@@ -989,8 +631,8 @@ def _collect_whole(model_dir, out, config, batches, shapes, show_progress, on_ba
         if config.scores != "none":
             from contextlib import nullcontext
 
-            from resserve_export.modeling.experts import unfused
             from resserve_export.algorithms.scores import compute_scores
+            from resserve_export.modeling.experts import unfused
 
             # Experts scored as per-expert linears under their checkpoint names, with the true routing.
             with unfused(net, list(blocks)) if blocks else nullcontext():

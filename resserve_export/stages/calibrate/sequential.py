@@ -342,9 +342,10 @@ def collect_sequential(
     returns the statistics of all ranks (stats, num_tokens, kv statistics, why none), and
     `score_log` for its score additions (`scores.grad.ScoreSums`)."""
     from resserve_export.modeling import modelio
-    from resserve_export.stages.calibrate.run import StatsCollector, forward_kwargs
+    from resserve_export.observers.stats import StatsCollector
+    from resserve_export.modeling.forward import forward_kwargs
     from resserve_export.storage.checkpoint import SafetensorsFiles
-    from resserve_export.observers.kvcache import KVCollector
+    from resserve_export.observers.kv import KVCollector
 
     d = modelio.parse_device(device)
     dev = torch.device("cuda" if d == "auto" and torch.cuda.is_available() else ("cpu" if d == "auto" else d))

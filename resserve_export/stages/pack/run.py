@@ -32,18 +32,34 @@ from pathlib import Path
 import torch
 
 from resserve_export import __version__
-from resserve_export.modeling import modelio
-from resserve_export.formats import registry
-from resserve_export.storage.checkpoint import DTYPES, MODEL_INDEX, MODEL_PREFIX, SIDECAR_INDEX, SIDECAR_PREFIX, SafetensorsFiles, ShardedWriter, dump_json, file_bytes, parse_size, resserve_section, unreadable
-from resserve_export.formats.constants import RATIOS
-from resserve_export.algorithms.awq.smoothing import FILE as AWQ_FILE, Smoothing, file_digest
+from resserve_export.algorithms.awq.smoothing import FILE as AWQ_FILE
+from resserve_export.algorithms.awq.smoothing import Smoothing, file_digest
 from resserve_export.core.errors import UserError
-from resserve_export.modeling.experts import expert_blocks, routers
-from resserve_export.modeling.groups import Group
-from resserve_export.stages.layout import OWN_FILES, WEIGHT_SUFFIXES, build_layout, model_groups, recorded_groups
-from resserve_export.formats.mxfp4 import ScaleRounding
+from resserve_export.core.names import EXT_SCALE_SUFFIX, EXT_WEIGHT_SUFFIX, MASK_SUFFIX
 from resserve_export.core.outputs import check_out_dir, check_writable, write_dir_atomic
 from resserve_export.core.ui import Progress
+from resserve_export.formats import registry
+from resserve_export.formats.constants import RATIOS
+from resserve_export.formats.mxfp4 import ScaleRounding
+from resserve_export.modeling import modelio
+from resserve_export.modeling.experts import expert_blocks, routers
+from resserve_export.modeling.groups import Group
+from resserve_export.modeling.modelio import source_dtype
+from resserve_export.stages.layout import OWN_FILES, WEIGHT_SUFFIXES, build_layout, model_groups, recorded_groups
+from resserve_export.storage.checkpoint import (
+    DTYPES,
+    MODEL_INDEX,
+    MODEL_PREFIX,
+    SIDECAR_INDEX,
+    SIDECAR_PREFIX,
+    SafetensorsFiles,
+    ShardedWriter,
+    dump_json,
+    file_bytes,
+    parse_size,
+    resserve_section,
+    unreadable,
+)
 
 _GROUP_CACHE_BYTES = 1 << 30
 THREADS_ENV = "RESSERVE_PACK_THREADS"  # intra-op threads for CPU quantization (default 1)
@@ -219,22 +235,6 @@ def pick_device(device: str) -> torch.device:
     return torch.device(d)
 
 
-def source_dtype(shapes: dict[str, tuple[str, tuple[int, ...]]], modules: list[str], model_dir: Path) -> str:
-    """The torch dtype name (``bfloat16``, ``float16``, ``float32``) of the quantized linears'
-    weights in the source headers `shapes` (name -> (safetensors dtype, shape)).
-
-    `pack` records it so that `verify` loads the model in the dtype the weights were quantized
-    from: in any other dtype the re-quantization differs and the NMSE reference is not the
-    source's. One dtype is required, since the model is loaded in one.
-    """
-    from resserve_export.storage.checkpoint import DTYPES
-
-    found = sorted({shapes[f"{m}.weight"][0] for m in modules})
-    if len(found) != 1:
-        raise UserError(f"the quantized linears of {model_dir} have mixed weight dtypes ({', '.join(found)}): convert the model to one dtype first")
-    return str(DTYPES[found[0]][0]).removeprefix("torch.")
-
-
 def pack(
     model: str | os.PathLike,
     calib: str | os.PathLike,
@@ -256,11 +256,11 @@ def pack(
     `kv_cache` (``none``, ``fp8``, ``nvfp4``): also write each attention layer's k / v scales
     from the calibration's KV-cache statistics (`kvcache`), and declare the KV-cache format in
     the quantization config."""
-    from resserve_export.observers import kvcache
+    from resserve_export.formats import kv as kv_format
 
     t0 = time.perf_counter()
     f = check_format_arg(fmt)
-    kvcache.check_for_format(kv_cache, f)  # before any work; build_layout relies on it too
+    kv_format.check_for_format(kv_cache, f)  # before any work; build_layout relies on it too
     try:
         rounding = ScaleRounding(mx_scale)
     except ValueError:
@@ -375,17 +375,19 @@ def pack(
 def _kv_tensors(calib: Path, shapes, f: registry.Format, kv_cache: str) -> dict[str, torch.Tensor]:
     """{name: stored scale} of the KV-cache scales (empty for ``none``): amax / 448 of the
     calibration's per-layer key and value amax (see `kvcache`)."""
-    from resserve_export.observers import kvcache
+    from resserve_export.formats import kv as kv_format
+    from resserve_export.modeling import attention as attention_layers
+    from resserve_export.storage import kv_stats as kv_file
 
     if kv_cache == "none":
         return {}
-    attention = kvcache.attention_modules(shapes)
-    amax = kvcache.load(calib, attention)
-    shape = kvcache.scale_shape(f.kv_style)
+    attention = attention_layers.attention_modules(shapes)
+    amax = kv_file.load(calib, attention)
+    shape = kv_format.scale_shape(f.kv_style)
     out = {}
     for a in attention:
-        for name, x in zip(kvcache.scale_names(a, f.kv_style), amax[a]):
-            out[name] = kvcache.scale_from_amax(x).reshape(shape).contiguous()
+        for name, x in zip(kv_format.scale_names(a, f.kv_style), amax[a]):
+            out[name] = kv_format.scale_from_amax(x).reshape(shape).contiguous()
     return out
 
 
@@ -616,9 +618,9 @@ def _stream(layout, source, stats, ratios, fmt, rounding, dev, mw, sw, progress,
     on this thread, with one slab. Errors of any stage are raised here; the other stages stop
     before this returns.
     """
-    from resserve_export.formats import ops as formats
     from resserve_export.algorithms.kext import extend_weight
     from resserve_export.algorithms.selection import select_mask
+    from resserve_export.formats import ops as formats
 
     depth = pipeline_depth() if depth is None else depth
     piped = depth >= 2
@@ -773,11 +775,11 @@ def _pack_group(g, weights, source, stats, ratio, fmt, rounding, dev, mw, sw, fo
         for suffix, t in f.base_tensors(q, input_scale):
             mw.write(f"{m}.{suffix}", t)
         if mask is not None:
-            sw.write(f"{m}.resserve_mask", mask)
+            sw.write(f"{m}.{MASK_SUFFIX}", mask)
             ext = extend_weight(w, mask.to(dev), ratio, f, rounding, alpha=alpha)
             if ext is not None:
-                sw.write(f"{m}.resserve_weight", ext.codes)
-                sw.write(f"{m}.resserve_weight_scale", ext.scales)
+                sw.write(f"{m}.{EXT_WEIGHT_SUFFIX}", ext.codes)
+                sw.write(f"{m}.{EXT_SCALE_SUFFIX}", ext.scales)
         del w, q
 
 

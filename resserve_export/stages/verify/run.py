@@ -43,59 +43,25 @@ from typing import Callable
 import torch
 
 from resserve_export.algorithms import kernel
-from resserve_export.formats import registry
 from resserve_export.algorithms.awq.smoothing import Smoothing
-from resserve_export.storage.checkpoint import Checkpoint, PackedLinear
-from resserve_export.formats.constants import SELECTION_GROUP
-from resserve_export.core.errors import CheckpointMismatch, UserError
-from resserve_export.formats.ops import quantize
 from resserve_export.algorithms.kext import extend_weight
-from resserve_export.observers.kvcache import POINT, SCALE_DIVISOR, KVQuantizer
-from resserve_export.formats.qtensor import FP4Tensor
 from resserve_export.algorithms.selection import PARTIAL_RATIOS, mask_to_bool, select_mask
+from resserve_export.core.errors import CheckpointMismatch, UserError
+from resserve_export.core.names import EXT_SCALE_SUFFIX, EXT_WEIGHT_SUFFIX, MASK_SUFFIX
+from resserve_export.formats import registry
+from resserve_export.formats.constants import SELECTION_GROUP
+from resserve_export.formats.kv import SCALE_DIVISOR
+from resserve_export.formats.ops import quantize
+from resserve_export.formats.qtensor import FP4Tensor
+from resserve_export.observers.capture import InputCapture
+from resserve_export.observers.kv import POINT, KVQuantizer
+from resserve_export.storage.checkpoint import Checkpoint, PackedLinear
 
 SWEEP = PARTIAL_RATIOS
 DEFAULT_TEXT = "shakespeare:eval"
 
 
 # ----------------------------------------------------------------------------- capture
-
-
-class InputCapture:
-    """Forward pre-hooks keeping the valid-token rows of one member's input per fused group."""
-
-    def __init__(self, model, groups: list[tuple[str, ...]], max_tokens: int):
-        mods = dict(model.named_modules())
-        self.rows: dict[tuple[str, ...], list[torch.Tensor]] = {g: [] for g in groups}
-        self.count = {g: 0 for g in groups}
-        self.max_tokens = max_tokens
-        self._valid: torch.Tensor | None = None
-        self._handles = [mods[g[0]].register_forward_pre_hook(self._hook(g)) for g in groups]
-
-    def _hook(self, g):
-        def hook(_mod, args):
-            if self.count[g] >= self.max_tokens:
-                return
-            x = args[0]
-            x2 = x.reshape(-1, x.shape[-1])
-            # An expert's linear sees only the valid rows routed to it (`experts.unfused`).
-            if self._valid is not None and x2.shape[0] == self._valid.numel():
-                x2 = x2[self._valid.to(x2.device)]
-            x2 = x2[: self.max_tokens - self.count[g]].detach().to("cpu", copy=True)
-            self.rows[g].append(x2)
-            self.count[g] += x2.shape[0]
-
-        return hook
-
-    def set_mask(self, attention_mask: torch.Tensor) -> None:
-        self._valid = attention_mask.reshape(-1).bool()
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-
-    def inputs(self, g) -> torch.Tensor:
-        return torch.cat(self.rows[g])
 
 
 def _nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[float, int]:
@@ -324,14 +290,14 @@ def _first_difference(
     if not _same(pk.base.scales, q.scales):
         return f.scale_name
     if (pk.mask is not None) != (pk.ratio > 0) or (pk.mask is not None and not _valid_mask(pk.mask, w.shape[-1], pk.ratio)):
-        return "resserve_mask"
+        return MASK_SUFFIX
     ext = extend_weight(w, pk.mask, pk.ratio, f, rounding, alpha=alpha, backend="reference") if pk.mask is not None else None
     if not _same(None if pk.ext is None else pk.ext.codes, None if ext is None else ext.codes):
-        return "resserve_weight"
+        return EXT_WEIGHT_SUFFIX
     if ext is not None and not _same(pk.ext.scales, ext.scales):
-        return "resserve_weight_scale"
+        return EXT_SCALE_SUFFIX
     if mask is not None and not _same(pk.mask, mask):
-        return "resserve_mask"
+        return MASK_SUFFIX
     if input_scale is not None and not _same(pk.input_scale, input_scale):
         return f.input_scale_name
     return None
@@ -393,7 +359,7 @@ def check_weights_match(
         return
     m, name = bad[0]
     head = f"{len(bad)} of {len(ck.modules)} stored linears differ from a fresh quantization of {model} (first: {m}: {name})"
-    calib_only = {"resserve_mask", "input_scale"}
+    calib_only = {MASK_SUFFIX, "input_scale"}
     if stats is not None and all(n in calib_only for _, n in bad):
         raise CheckpointMismatch(f"{head} with the given --calib: the checkpoint was packed with another calibration; pass the --calib it was packed with")
     raise CheckpointMismatch(f"{head}: the checkpoint was not packed from this model; pass the --model it was packed from")
@@ -402,18 +368,19 @@ def check_weights_match(
 def check_kv_scales(ck: Checkpoint, calib: Path) -> None:
     """Every stored KV-cache scale equals amax / 448 of the calibration's KV statistics, bit for
     bit; `CheckpointMismatch` names the first that does not."""
-    from resserve_export.observers import kvcache
+    from resserve_export.formats import kv as kv_format
+    from resserve_export.storage import kv_stats as kv_file
 
     stored = ck.kv_scales()
     if not stored:
         return
-    amax = kvcache.load(calib, list(stored))
+    amax = kv_file.load(calib, list(stored))
     for attn, scales in stored.items():
         for which, s, a in zip("kv", scales, amax[attn]):
-            if not _same(s, kvcache.scale_from_amax(a)):
+            if not _same(s, kv_format.scale_from_amax(a)):
                 raise CheckpointMismatch(
-                    f"{attn} {which}_scale {float(s)!r} is not the calibration's amax / {kvcache.SCALE_DIVISOR:g} "
-                    f"({float(kvcache.scale_from_amax(a))!r}): pass the --calib the checkpoint was packed with"
+                    f"{attn} {which}_scale {float(s)!r} is not the calibration's amax / {kv_format.SCALE_DIVISOR:g} "
+                    f"({float(kv_format.scale_from_amax(a))!r}): pass the --calib the checkpoint was packed with"
                 )
 
 
@@ -603,7 +570,7 @@ def evaluate(
             ppl["checkpoint_kv"] = _forward_nll(model, batches, device, tick=tick, kv=KVQuantizer(model, kv_scales, ck.kv_cache, emulate=True))
         kv_report = {"format": ck.kv_cache, "scale": f"amax / {SCALE_DIVISOR:g}", "point": POINT, **kv_measure.nmse()}
 
-    from resserve_export.storage.checkpoint import natural_key
+    from resserve_export.core.names import natural_key
 
     layers.sort(key=lambda r: natural_key(r["module"]))
     pooled = {k: a.nmse for k, a in totals.items()}
@@ -675,7 +642,7 @@ def _source_dtype(ck: Checkpoint, model_dir: Path) -> str:
     safetensors weights of the quantized linears. Any other dtype re-quantizes differently and
     moves the NMSE reference."""
     from resserve_export.modeling import modelio
-    from resserve_export.stages.pack.run import source_dtype
+    from resserve_export.modeling.modelio import source_dtype
 
     recorded = (ck.resserve.get("provenance") or {}).get("source_dtype")
     if recorded is not None:
@@ -711,8 +678,8 @@ def verify(
     tokenizer or any forward pass: a mismatch (`CheckpointMismatch`) costs one quantization pass
     and leaves nothing written.
     """
-    from resserve_export.modeling import modelio
     from resserve_export.core.outputs import check_out_dir
+    from resserve_export.modeling import modelio
 
     if samples < 1:
         raise UserError(f"--samples must be at least 1, got {samples}")
@@ -751,14 +718,13 @@ def _verify_loaded(
     progress, experts,
 ) -> dict:
     """`verify` once the model is loaded (its experts, if any, as per-expert linears)."""
-    from resserve_export.modeling import data
-    from resserve_export.modeling import modelio
-    from resserve_export.stages.calibrate.run import collect, load_stats
-    from resserve_export.modeling.groups import Group
-    from resserve_export.core.outputs import write_dir_atomic
-
     from resserve_export.algorithms.awq.smoothing import storage_dtypes
+    from resserve_export.core.outputs import write_dir_atomic
+    from resserve_export.modeling import data, modelio
     from resserve_export.modeling.experts import checkpoint_parameters
+    from resserve_export.modeling.groups import Group
+    from resserve_export.observers.stats import collect
+    from resserve_export.storage.calibration import load_stats
 
     stats = load_stats(Path(calib)) if calib is not None else None
     smoothing = checkpoint_smoothing(ck, Path(calib) if calib is not None else None, storage_dtypes(modelio.tensor_shapes(model_dir)))

@@ -25,143 +25,22 @@ maps both onto its attention layers' ``attn.k_scale`` / ``attn.v_scale``.
 
 from __future__ import annotations
 
-import inspect
-import re
-from collections.abc import Callable
-
 import torch
 
 from resserve_export.core.errors import UserError
+from resserve_export.formats.kv import qdq
+from resserve_export.modeling.attention import cache_kwargs, layer_names, observing_cache
 
-KINDS = ("none", "fp8", "nvfp4")
-FP8_MAX = 448.0  # E4M3's largest finite value
-SCALE_DIVISOR = 448.0  # scale = amax / 448, for FP8 and NVFP4 alike (ModelOpt's convention)
-NVFP4_KV_BLOCK = 16
-FILE = "kv_cache.safetensors"
 POINT = "keys after k-norm and rotary embedding, values after v_proj, as the KV cache stores them"
-_ATTN = re.compile(r"^(?P<attn>.+)\.k_proj\.weight$")
-
-
-def check_kind(kind: str) -> str:
-    if kind not in KINDS:
-        raise UserError(f"unknown --kv-cache {kind!r}: choose one of {', '.join(KINDS)}")
-    return kind
-
-
-def check_for_format(kind: str, fmt) -> str:
-    """`kind` checked, and supported by checkpoint format `fmt` (its loaders read those scales);
-    a one-line `UserError` otherwise."""
-    from resserve_export.formats import registry
-
-    f = registry.get(fmt)
-    try:
-        f.check_kv(check_kind(kind))
-    except ValueError as e:
-        raise UserError(f"{e} (what their vLLM loader reads): choose --kv-cache {' or '.join(f.kv_kinds)}, or --format nvfp4") from None
-    return kind
 
 
 # ----------------------------------------------------------------------------- layers and names
 
 
-def attention_modules(shapes: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
-    """Attention modules of a checkpoint from its headers: those with 2-D ``k_proj`` and
-    ``v_proj`` weights (model order)."""
-    from resserve_export.storage.checkpoint import natural_key
-
-    out = []
-    for name, (_, shape) in shapes.items():
-        m = _ATTN.match(name)
-        if m and len(shape) == 2 and len(shapes.get(f"{m['attn']}.v_proj.weight", ("", ()))[1]) == 2:
-            out.append(m["attn"])
-    return sorted(out, key=natural_key)
-
-
-def layer_names(model) -> dict[int, str]:
-    """``{layer_idx: module name}`` of the loaded model's attention layers (the index the cache
-    is updated with)."""
-    out: dict[int, str] = {}
-    for name, mod in model.named_modules():
-        idx = getattr(mod, "layer_idx", None)
-        if isinstance(idx, int) and hasattr(mod, "k_proj") and hasattr(mod, "v_proj"):
-            if idx in out:
-                raise UserError(f"attention layers {out[idx]} and {name} share cache index {idx}: KV-cache statistics cannot tell them apart")
-            out[idx] = name
-    return out
-
-
-def scale_names(attn: str, style: str) -> tuple[str, str]:
-    """(k_scale name, v_scale name) of attention module `attn` in a checkpoint: ``style`` is
-    ``"modelopt"`` or ``"compressed-tensors"``."""
-    if style == "modelopt":
-        return f"{attn}.k_proj.k_scale", f"{attn}.v_proj.v_scale"
-    return f"{attn}.k_scale", f"{attn}.v_scale"
-
-
-def scale_shape(style: str) -> tuple[int, ...]:
-    return () if style == "modelopt" else (1,)
-
-
-def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """The stored KV scale (float32) of a calibrated amax: amax / 448."""
-    return (torch.as_tensor(amax, dtype=torch.float32).reshape(()) / SCALE_DIVISOR).float()
-
-
 # ----------------------------------------------------------------------------- arithmetic
 
 
-def qdq(x: torch.Tensor, scale: torch.Tensor | float, kind: str) -> torch.Tensor:
-    """Keys or values `x` (last dim = head dim) after the KV cache's quantize-dequantize with
-    the per-tensor `scale`, in x's dtype. FP8: E4M3 of ``x / scale`` (round to nearest even,
-    saturating at ±448). NVFP4: NVFP4 blocks of 16 along the head dim with α = scale."""
-    s = torch.as_tensor(scale, dtype=torch.float32, device=x.device).reshape(())
-    if kind == "fp8":
-        q = (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        return (q.float() * s).to(x.dtype)
-    if kind == "nvfp4":
-        from resserve_export.formats import nvfp4
-
-        if x.shape[-1] % NVFP4_KV_BLOCK:
-            raise UserError(f"head dimension {x.shape[-1]} is not a multiple of {NVFP4_KV_BLOCK}: NVFP4 KV cache needs one")
-        blocks = x.float().reshape(-1, NVFP4_KV_BLOCK)
-        codes, scales = nvfp4.quantize_blocks(blocks, s)
-        return nvfp4.dequantize_blocks(codes, scales, s).reshape(x.shape).to(x.dtype)
-    raise ValueError(f"unknown KV-cache format {kind!r}")
-
-
 # ----------------------------------------------------------------------------- the observing cache
-
-
-def observing_cache(
-    model, on_kv: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]], store: bool = True
-):
-    """A fresh `DynamicCache` whose ``update(k, v, layer_idx)`` first calls ``on_kv(layer_idx, k, v)``
-    and caches (and hands to attention) what it returns. ``store=False``: for one forward pass
-    that never reads the cache back (calibration), nothing is kept, attention gets the update's
-    keys and values as they are."""
-    from transformers import DynamicCache
-
-    class ObservingCache(DynamicCache):
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            key_states, value_states = on_kv(layer_idx, key_states, value_states)
-            if not store:
-                return key_states, value_states
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    try:
-        return ObservingCache(config=model.config)
-    except (TypeError, ValueError, AttributeError):
-        return ObservingCache()
-
-
-def cache_kwargs(model, cache) -> dict:
-    """Forward arguments that make `model` use `cache` (transformers names it ``cache`` since
-    5.x, ``past_key_values`` before)."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        params = {}
-    return {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
 
 
 class KVCollector:
@@ -309,48 +188,3 @@ class KVQuantizer:
         return {"pooled": pooled, "layers": layers}
 
 
-def save(stats: dict[str, dict[str, torch.Tensor]], path) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {}
-    for name in stats:
-        tensors[f"{name}.k_amax"] = stats[name]["k_amax"].contiguous()
-        tensors[f"{name}.v_amax"] = stats[name]["v_amax"].contiguous()
-    save_file(dict(sorted(tensors.items())), str(path), metadata={"resserve_kv_cache": "1"})
-
-
-def load(calib_dir, attention: list[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """``{attention module: (k_amax, v_amax)}`` from a calibration directory, for every module in
-    `attention`; a one-line error when the calibration has none or lacks one, or an amax is not
-    finite and positive."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    path = Path(calib_dir) / FILE
-    if not path.is_file():
-        raise UserError(
-            f"calibration in {calib_dir} has no KV-cache statistics ({FILE}): re-run `resserve-export calibrate` "
-            "with this version, or pack with --kv-cache none"
-        )
-    try:
-        t = load_file(str(path))
-    except Exception as e:  # safetensors raises its own error types for corrupt files
-        raise UserError(f"{path} is not a readable safetensors file ({e}): re-run calibrate") from None
-    out = {}
-    for a in attention:
-        k, v = t.get(f"{a}.k_amax"), t.get(f"{a}.v_amax")
-        if k is None or v is None:
-            raise UserError(f"calibration in {calib_dir} has no KV-cache statistics for {a}: re-run calibrate on this model")
-        k, v = k.float().reshape(()), v.float().reshape(())
-        for x in (k, v):
-            if not bool(torch.isfinite(x)) or float(x) <= 0:
-                raise UserError(f"calibration in {calib_dir} has KV amax {float(x)} for {a}: a KV scale must be finite and positive; re-run calibrate")
-        out[a] = (k, v)
-    return out
-
-
-__all__ = [
-    "KINDS", "FILE", "POINT", "SCALE_DIVISOR", "KVCollector", "KVQuantizer", "attention_modules", "layer_names", "scale_names",
-    "scale_shape", "scale_from_amax", "qdq", "observing_cache", "cache_kwargs", "check_kind", "check_for_format", "save", "load",
-]

@@ -1,0 +1,287 @@
+"""Per-expert activation statistics of mixture-of-experts layers, taken inside a grouped forward."""
+
+from __future__ import annotations
+
+from resserve_export.core.errors import UserError
+from resserve_export.modeling.experts import MOE_CALIB, ExpertBlock, fused_modules
+
+# Rows of sorted (token, expert) pairs reduced at a time into per-expert statistics (bounds the
+# float32 temporaries: 65,536 rows of a 4,096-wide input are 1 GiB).
+STATS_ROWS = 1 << 16
+
+
+def _grouped_mm(x, w, offs):
+    """``x`` (rows sorted by expert) times each expert's ``w[e]ᵀ`` (``w`` [E, out, in]): torch's
+    grouped GEMM where it exists, else one GEMM per expert."""
+    import torch
+    from torch.nn import functional as F
+
+    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if fn is not None:
+        try:
+            return fn(x, w.transpose(-2, -1), offs=offs)
+        except (RuntimeError, NotImplementedError):
+            pass
+    out, start = [], 0
+    for e, end in enumerate(offs.tolist()):
+        out.append(x[start:end] @ w[e].t())
+        start = end
+    return torch.cat(out)
+
+
+def _segment_stats(rows, weight, lengths, acc_sum, acc_amax) -> None:
+    """Add Σ|row|·weight (into float64 ``acc_sum`` [E, K]) and fold max|row|·weight into
+    ``acc_amax`` [E], for consecutive segments of rows, one per expert: ``lengths`` (a list, or
+    the per-expert row counts as a tensor). ``weight``: 1 for a valid token's row, 0 for padding.
+
+    On a GPU the sums are one float64 product of the (weighted) one-hot segment matrix with
+    |rows| per chunk of rows: deterministic and exact for bf16 / fp16 rows, where
+    ``torch.segment_reduce`` runs a serial loop per column. On the CPU each segment is reduced in
+    float32 (``segment_reduce``), which is the faster there."""
+    import torch
+
+    if rows.device.type != "cpu":
+        _segment_stats_gemm(rows, weight, lengths, acc_sum, acc_amax)
+        return
+    if torch.is_tensor(lengths):
+        lengths = lengths.tolist()
+    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    e0, r0 = 0, 0
+    while e0 < len(lengths):
+        e1, r1 = e0, r0
+        while e1 < len(lengths) and (e1 == e0 or r1 - r0 + lengths[e1] <= STATS_ROWS):
+            r1 += lengths[e1]
+            e1 += 1
+        lens = torch.tensor(lengths[e0:e1], device=rows.device)
+        a = rows[r0:r1].abs().to(acc) * weight[r0:r1, None].to(acc)
+        acc_sum[e0:e1] += torch.segment_reduce(a, "sum", lengths=lens, axis=0, initial=0)
+        peak = torch.segment_reduce(a.amax(1) if a.shape[0] else a.new_zeros(0), "max", lengths=lens, initial=0)
+        acc_amax[e0:e1] = torch.maximum(acc_amax[e0:e1], peak.float())
+        e0, r0 = e1, r1
+
+
+def _segment_stats_gemm(rows, weight, lengths, acc_sum, acc_amax) -> None:
+    import torch
+
+    E, dev = acc_sum.shape[0], rows.device
+    counts = lengths if torch.is_tensor(lengths) else torch.tensor(lengths)
+    owner = torch.repeat_interleave(torch.arange(E, device=dev), counts.to(dev), output_size=rows.shape[0])
+    for r0 in range(0, rows.shape[0], STATS_ROWS):
+        r1 = min(r0 + STATS_ROWS, rows.shape[0])
+        a = rows[r0:r1].abs()
+        w = weight[r0:r1].to(torch.float64)
+        onehot = torch.zeros(E, r1 - r0, dtype=torch.float64, device=dev)
+        onehot[owner[r0:r1], torch.arange(r1 - r0, device=dev)] = w
+        acc_sum += onehot @ a.to(torch.float64)
+        peak = torch.zeros(E, dtype=torch.float32, device=dev).scatter_reduce_(0, owner[r0:r1], a.amax(1).float() * w.float(), "amax")
+        acc_amax.copy_(torch.maximum(acc_amax, peak))
+
+
+def _install(mod, forward) -> tuple[str, object]:
+    """Make `forward` the module's computation. Under accelerate's offloading hooks (device_map
+    with CPU / disk offload) the hook's wrapper stays in front: it brings the weights to the
+    execution device, then calls ``_old_forward``, which is what gets replaced."""
+    name = "_old_forward" if hasattr(mod, "_hf_hook") and "_old_forward" in mod.__dict__ else "forward"
+    previous = mod.__dict__.get(name)
+    mod.__dict__[name] = forward
+    return name, previous
+
+
+def _uninstall(mod, installed: tuple[str, object] | None) -> None:
+    if installed is None:
+        return
+    name, previous = installed
+    if previous is None:
+        mod.__dict__.pop(name, None)
+    else:
+        mod.__dict__[name] = previous
+
+
+class ExpertCollector:
+    """Per-expert Σ|x| (float64), amax and token counts over the valid (non-padding) tokens, for
+    every fused experts module of the model. While installed, each module's forward is replaced
+    by a grouped one (rows sorted by expert, one grouped GEMM per projection, as transformers'
+    default ``grouped_mm`` experts compute) that also takes the statistics: gate/up inputs are
+    the routed hidden rows, down inputs ``act(gate) · up`` as computed for the output."""
+
+    def __init__(self, model, blocks: list[ExpertBlock], mode: str = "all"):
+        if mode not in MOE_CALIB:
+            raise UserError(f"--moe-calib must be one of {', '.join(MOE_CALIB)}, got {mode!r}")
+        self.blocks = blocks
+        self.mode = mode
+        self._modules = fused_modules(model, blocks)
+        self._valid = None
+        self._valid_on: dict = {}
+        self._acc: dict[str, dict] = {b.prefix: {} for b in blocks}
+        self._previous = {b.prefix: _install(self._modules[b.prefix], self._forward(self._modules[b.prefix], b, self._acc[b.prefix])) for b in blocks}
+
+    def __enter__(self) -> ExpertCollector:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        for prefix, mod in self._modules.items():
+            _uninstall(mod, self._previous.pop(prefix, None))
+
+    def set_mask(self, attention_mask) -> None:
+        self._valid = attention_mask.detach().reshape(-1).to("cpu").bool()
+        self._valid_on = {}  # the mask per device, copied once per batch, not once per layer
+
+    def _valid_at(self, dev, index: bool = False):
+        """The batch's valid-token mask (or, with `index`, the valid tokens' indices) on `dev`."""
+        import torch
+
+        key = (dev, index)
+        v = self._valid_on.get(key)
+        if v is None:
+            v = self._valid_on[key] = (torch.nonzero(self._valid).reshape(-1) if index else self._valid).to(dev)
+        return v
+
+    @staticmethod
+    def _init(acc: dict, b: ExpertBlock, device) -> None:
+        import torch
+
+        E = b.num_experts
+        acc.update(
+            routed=torch.zeros(E, dtype=torch.int64, device=device),
+            rows=torch.zeros(E, dtype=torch.int64, device=device),
+            sum_in=torch.zeros(E, b.hidden, dtype=torch.float64, device=device),
+            amax_in=torch.zeros(E, dtype=torch.float32, device=device),
+            sum_mid=torch.zeros(E, b.intermediate, dtype=torch.float64, device=device),
+            amax_mid=torch.zeros(E, dtype=torch.float32, device=device),
+        )
+
+    def _forward(self, mod, b: ExpertBlock, acc: dict):
+        import torch
+
+        from resserve_export.observers import segment_stats
+
+        def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+            if self._valid is None:
+                raise RuntimeError("ExpertCollector.set_mask() must be called before each forward pass")
+            T, k, E = hidden_states.shape[0], top_k_index.shape[-1], b.num_experts
+            dev = hidden_states.device
+            if self._valid.numel() != T:
+                raise UserError(
+                    f"the experts see {T} rows, not the batch's {self._valid.numel()} tokens: padding cannot be "
+                    "excluded for them; this architecture's layout is not supported"
+                )
+            if not acc:
+                self._init(acc, b, dev)
+            valid = self._valid_at(dev)
+            with torch.no_grad():
+                ids = top_k_index.reshape(-1)
+                ids_sorted, perm = torch.sort(ids, stable=True)
+                token = perm // k
+                # per-expert row counts without a device sync (bincount reads the maximum back to
+                # the host: once per layer, that stalls the launch queue of a GPU forward)
+                counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
+                offs = counts.cumsum(0).to(torch.int32)
+                xs = hidden_states[token]
+                gate, up = _grouped_mm(xs, mod.gate_up_proj, offs).chunk(2, dim=-1)
+                h = mod.act_fn(gate) * up
+                y = _grouped_mm(h, mod.down_proj, offs) * top_k_weights.reshape(-1)[perm, None]
+                inv = torch.empty_like(perm)
+                inv[perm] = torch.arange(perm.shape[0], device=dev)
+                # back to (token, slot) order by a gather (a scatter of the rows runs ~5x slower on a GPU)
+                out = y[inv].view(T, k, -1).sum(1).to(hidden_states.dtype)  # a fixed order: deterministic
+
+                keep = valid[token]
+                if self.mode == "routed" and segment_stats.available(dev):
+                    # one pass per statistic over the rows sorted by expert (gate/up: the gathered
+                    # token rows; down: act(gate)·up), the routed-token count taken with the first
+                    segment_stats.segment_stats(xs, keep, offs, acc["sum_in"], acc["amax_in"], acc["routed"])
+                    segment_stats.segment_stats(h, keep, offs, acc["sum_mid"], acc["amax_mid"])
+                    return out
+                routed = torch.zeros(E, dtype=torch.int64, device=dev).index_add_(0, ids_sorted, keep.long())
+                acc["routed"] += routed
+                if self.mode == "routed":
+                    # gate/up read the token rows themselves: Σ|x| per expert is one product of the
+                    # (valid) routing matrix with |x|, in float64 (exact for bf16 / fp16 inputs)
+                    r = torch.zeros(T, E, dtype=torch.float64, device=dev)
+                    r.scatter_(1, top_k_index, 1.0)
+                    r *= valid[:, None]
+                    a = hidden_states.abs()
+                    acc["sum_in"] += r.t() @ a.to(torch.float64)
+                    row_max = a.amax(1).float() * valid
+                    peak = torch.zeros(E, dtype=torch.float32, device=dev).scatter_reduce_(0, ids, row_max.repeat_interleave(k), "amax")
+                    acc["amax_in"].copy_(torch.maximum(acc["amax_in"], peak))
+                    _segment_stats(h, keep, counts, acc["sum_mid"], acc["amax_mid"])
+                else:
+                    # every expert on every valid token, for its statistics only
+                    idx = self._valid_at(dev, index=True)
+                    everyone = hidden_states.index_select(0, idx)
+                    n = idx.shape[0]
+                    ones = torch.ones(n, dtype=torch.bool, device=dev)
+                    seg = torch.full((1,), n, dtype=torch.int64, device=dev)  # made on the device: no host copy, no sync
+                    one = torch.zeros(1, b.hidden, dtype=torch.float64, device=dev)
+                    peak = torch.zeros(1, dtype=torch.float32, device=dev)
+                    _segment_stats(everyone, ones, seg, one, peak)
+                    acc["sum_in"] += one
+                    acc["amax_in"].copy_(torch.maximum(acc["amax_in"], peak))
+                    for e in range(E):
+                        g_all, u_all = (everyone @ mod.gate_up_proj[e].t()).chunk(2, dim=-1)
+                        _segment_stats(mod.act_fn(g_all) * u_all, ones, seg, acc["sum_mid"][e : e + 1], acc["amax_mid"][e : e + 1])
+                    acc["rows"] += n
+            return out
+
+        return forward
+
+    def end_batch(self) -> None:
+        """Stop at the first expert block whose activations hold NaN/Inf."""
+        from resserve_export.observers.finite import finite_each
+
+        self._valid, self._valid_on = None, {}
+        ran = [b for b in self.blocks if self._acc[b.prefix]]
+        finite = finite_each([t for b in ran for t in (self._acc[b.prefix]["amax_in"], self._acc[b.prefix]["amax_mid"])])
+        for i, b in enumerate(ran):
+            if not (finite[2 * i] and finite[2 * i + 1]):
+                raise UserError(
+                    f"non-finite (NaN/Inf) activations reach the experts of {b.prefix}: the model's weights or dtype overflow; "
+                    "try --dtype float32 or check the checkpoint"
+                )
+
+    def result(self) -> tuple[dict[str, dict], dict]:
+        """(salience ``{module: {"mean_abs", "amax"}}`` under checkpoint names, calibration.json's
+        ``moe`` record: mode, routed-token counts per expert, experts that took the fallback)."""
+        import numpy as np
+        import torch
+
+        stats: dict[str, dict] = {}
+        record = {"calib": self.mode, "blocks": {}}
+        fallbacks = []
+        for b in self.blocks:
+            a = self._acc[b.prefix]
+            if not a:
+                raise UserError(f"the experts of {b.prefix} never ran in the forward pass: they cannot be calibrated")
+            rows = (a["rows"] if self.mode == "all" else a["routed"]).cpu()  # routed: the rows are the routed tokens
+            seen = rows > 0
+            if not bool(seen.any()):
+                raise UserError(f"no expert of {b.prefix} saw a calibration token: use more samples or --moe-calib all")
+            missing = [int(e) for e in torch.nonzero(~seen).reshape(-1)]
+            per = {}
+            for key in ("in", "mid"):
+                total, amax = a["sum_" + key].cpu(), a["amax_" + key].cpu().clone()
+                mean = total / rows.clamp_min(1)[:, None]
+                if missing:  # the fallback: Σ|x| / Σ tokens over the experts that saw tokens, and their max amax
+                    mean[~seen] = total[seen].sum(0) / rows[seen].sum()
+                    amax[~seen] = amax[seen].max()
+                per[key] = (mean.to(torch.float32).numpy(), amax.to(torch.float32).numpy())
+            # one tensor of its own per module (safetensors refuses tensors that share storage),
+            # copied through numpy: a torch clone per tensor costs twice as much, for ~18k of them
+            # on a 48-layer model of 128 experts
+            gate, up, down = b.leaves
+            (m_in, a_in), (m_mid, a_mid) = per["in"], per["mid"]
+            new = lambda a: torch.from_numpy(np.array(a))  # noqa: E731
+            for e in range(b.num_experts):
+                stem = f"{b.prefix}.{e}."
+                stats[stem + gate] = {"mean_abs": new(m_in[e]), "amax": new(a_in[e])}
+                stats[stem + up] = {"mean_abs": new(m_in[e]), "amax": new(a_in[e])}
+                stats[stem + down] = {"mean_abs": new(m_mid[e]), "amax": new(a_mid[e])}
+            fallbacks += [f"{b.prefix}.{e}" for e in missing]
+            record["blocks"][b.prefix] = {"experts": b.num_experts, "routed_tokens": a["routed"].cpu().tolist(), "fallback": missing}
+        record["fallback_rule"] = "pooled statistics of the layer's experts that saw tokens (sum |x| / sum tokens, max amax)"
+        self.fallbacks = fallbacks
+        return stats, record
