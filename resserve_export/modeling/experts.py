@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from resserve_export.core.errors import UserError
 from resserve_export.core.names import layer_index
+from resserve_export.modeling.hooks import Observer
 
 MOE_CALIB = ("all", "routed")
 # Checkpoint leaf names of an expert's projections, by role.
@@ -268,20 +269,23 @@ class _Call:
         return self.target(*args, **kwargs)
 
 
-class Unfused:
+class Unfused(Observer):
     """`unfused`'s handle: :meth:`set_mask` before a forward pass whose expert inputs are
-    captured, :meth:`clear` after; `blocks`: the expert blocks it mounted."""
+    captured (padding rows are then routed to no expert), :meth:`end_batch` after; `blocks`: the
+    expert blocks it mounted. The mount itself is undone by `unfused` on leaving its block."""
 
     def __init__(self, modules: list, blocks: list[ExpertBlock]):
+        super().__init__()
         self.modules = modules
         self.blocks = blocks
 
     def set_mask(self, attention_mask) -> None:
-        valid = attention_mask.detach().reshape(-1).to("cpu").bool()
+        super().set_mask(attention_mask)
         for m in self.modules:
-            m.valid = valid
+            m.valid = self.valid
 
-    def clear(self) -> None:
+    def end_batch(self) -> None:
+        super().end_batch()
         for m in self.modules:
             m.valid = None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from resserve_export.core.errors import UserError
 from resserve_export.modeling.experts import MOE_CALIB, ExpertBlock, fused_modules
+from resserve_export.modeling.hooks import Observer
 
 # Rows of sorted (token, expert) pairs reduced at a time into per-expert statistics (bounds the
 # float32 temporaries: 65,536 rows of a 4,096-wide input are 1 GiB).
@@ -97,7 +98,7 @@ def _uninstall(mod, installed: tuple[str, object] | None) -> None:
         mod.__dict__[name] = previous
 
 
-class ExpertCollector:
+class ExpertCollector(Observer):
     """Per-expert Σ|x| (float64), amax and token counts over the valid (non-padding) tokens, for
     every fused experts module of the model. While installed, each module's forward is replaced
     by a grouped one (rows sorted by expert, one grouped GEMM per projection, as transformers'
@@ -107,26 +108,21 @@ class ExpertCollector:
     def __init__(self, model, blocks: list[ExpertBlock], mode: str = "all"):
         if mode not in MOE_CALIB:
             raise UserError(f"--moe-calib must be one of {', '.join(MOE_CALIB)}, got {mode!r}")
+        super().__init__()
         self.blocks = blocks
         self.mode = mode
         self._modules = fused_modules(model, blocks)
-        self._valid = None
         self._valid_on: dict = {}
         self._acc: dict[str, dict] = {b.prefix: {} for b in blocks}
         self._previous = {b.prefix: _install(self._modules[b.prefix], self._forward(self._modules[b.prefix], b, self._acc[b.prefix])) for b in blocks}
 
-    def __enter__(self) -> ExpertCollector:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
-
     def remove(self) -> None:
         for prefix, mod in self._modules.items():
             _uninstall(mod, self._previous.pop(prefix, None))
+        super().remove()
 
     def set_mask(self, attention_mask) -> None:
-        self._valid = attention_mask.detach().reshape(-1).to("cpu").bool()
+        super().set_mask(attention_mask)
         self._valid_on = {}  # the mask per device, copied once per batch, not once per layer
 
     def _valid_at(self, dev, index: bool = False):
@@ -136,7 +132,7 @@ class ExpertCollector:
         key = (dev, index)
         v = self._valid_on.get(key)
         if v is None:
-            v = self._valid_on[key] = (torch.nonzero(self._valid).reshape(-1) if index else self._valid).to(dev)
+            v = self._valid_on[key] = (torch.nonzero(self.valid).reshape(-1) if index else self.valid).to(dev)
         return v
 
     @staticmethod
@@ -159,13 +155,13 @@ class ExpertCollector:
         from resserve_export.observers import segment_stats
 
         def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-            if self._valid is None:
+            if self.valid is None:
                 raise RuntimeError("ExpertCollector.set_mask() must be called before each forward pass")
             T, k, E = hidden_states.shape[0], top_k_index.shape[-1], b.num_experts
             dev = hidden_states.device
-            if self._valid.numel() != T:
+            if self.valid.numel() != T:
                 raise UserError(
-                    f"the experts see {T} rows, not the batch's {self._valid.numel()} tokens: padding cannot be "
+                    f"the experts see {T} rows, not the batch's {self.valid.numel()} tokens: padding cannot be "
                     "excluded for them; this architecture's layout is not supported"
                 )
             if not acc:
@@ -233,7 +229,8 @@ class ExpertCollector:
         """Stop at the first expert block whose activations hold NaN/Inf."""
         from resserve_export.observers.finite import finite_each
 
-        self._valid, self._valid_on = None, {}
+        super().end_batch()
+        self._valid_on = {}
         ran = [b for b in self.blocks if self._acc[b.prefix]]
         finite = finite_each([t for b in ran for t in (self._acc[b.prefix]["amax_in"], self._acc[b.prefix]["amax_mid"])])
         for i, b in enumerate(ran):

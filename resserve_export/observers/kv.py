@@ -30,6 +30,7 @@ import torch
 from resserve_export.core.errors import UserError
 from resserve_export.formats.kv import qdq
 from resserve_export.modeling.attention import cache_kwargs, layer_names, observing_cache
+from resserve_export.modeling.hooks import Observer
 
 POINT = "keys after k-norm and rotary embedding, values after v_proj, as the KV cache stores them"
 
@@ -43,7 +44,7 @@ POINT = "keys after k-norm and rotary embedding, values after v_proj, as the KV 
 # ----------------------------------------------------------------------------- the observing cache
 
 
-class KVCollector:
+class KVCollector(Observer):
     """amax(|k|) and amax(|v|) per attention layer over valid tokens, from the cache updates.
 
     Call :meth:`set_mask` with each batch's attention mask, pass :meth:`forward_kwargs` to the
@@ -51,6 +52,7 @@ class KVCollector:
     """
 
     def __init__(self, model):
+        super().__init__()
         self.names = layer_names(model)
         # Why statistics cannot be recorded for this model (None while they can).
         self.problem: str | None = None if self.names else "the model has no attention layers with k_proj / v_proj"
@@ -98,6 +100,7 @@ class KVCollector:
         return k, v
 
     def end_batch(self) -> None:
+        super().end_batch()
         self._mask = None
 
     def state(self) -> dict:
@@ -126,7 +129,7 @@ class KVCollector:
         return out
 
 
-class KVQuantizer:
+class KVQuantizer(Observer):
     """The KV cache's quantize-dequantize with stored per-layer scales, as attention sees it.
 
     ``emulate=True``: attention reads the quantize-dequantized keys and values (perplexity with
@@ -136,6 +139,7 @@ class KVQuantizer:
     """
 
     def __init__(self, model, scales: dict[str, tuple[torch.Tensor, torch.Tensor]], kind: str, *, emulate: bool):
+        super().__init__()
         self.names = layer_names(model)
         lacking = [n for n in self.names.values() if n not in scales]
         if lacking:
@@ -148,8 +152,10 @@ class KVQuantizer:
         self.err: dict[str, list[float]] = {n: [0.0, 0.0] for n in self.names.values()}
         self.ref: dict[str, list[float]] = {n: [0.0, 0.0] for n in self.names.values()}
 
-    def forward_kwargs(self, attention_mask: torch.Tensor) -> dict:
+    def set_mask(self, attention_mask: torch.Tensor) -> None:
         self._mask = attention_mask.detach().to("cpu").bool()
+
+    def forward_kwargs(self) -> dict:
         return cache_kwargs(self._model, observing_cache(self._model, self._observe))
 
     def _observe(self, idx: int, k: torch.Tensor, v: torch.Tensor):

@@ -12,6 +12,7 @@ from resserve_export.core.errors import UserError
 from resserve_export.modeling.forward import forward_kwargs, input_device
 from resserve_export.modeling.groups import Group
 from resserve_export.observers.finite import finite_each
+from resserve_export.modeling.hooks import Observer
 
 # CPU hook reduction chunk: 2**19 floats (2 MiB in float32) stay in a core's L2/L3.
 CPU_CHUNK_ELEMENTS = 1 << 19
@@ -54,7 +55,7 @@ def _same_rows(shape: tuple, batch: tuple) -> bool:
     return tuple(d for d in shape if d != 1) == tuple(d for d in batch if d != 1) or tuple(shape) == (math.prod(batch),)
 
 
-class StatsCollector:
+class StatsCollector(Observer):
     """Forward pre-hooks accumulating Σ|x| (float64), valid-token count and amax per decision group.
 
     Use :meth:`set_mask` with each batch's attention mask before the forward pass and
@@ -67,6 +68,7 @@ class StatsCollector:
     def __init__(self, model, groups: list[Group], keep_batches: bool = False):
         import torch
 
+        super().__init__()
         self._torch = torch
         self.groups = groups
         # Every batch's partial sums too (data-parallel ranks: see `distributed`).
@@ -80,7 +82,6 @@ class StatsCollector:
         self.num_tokens = 0
         self._mask = None
         self._rows: dict = {}
-        self._handles = []
         self._cpu_buf: dict = {}
         self._cpu_ones: dict = {}
         self.paused = False  # hooks do nothing while set (the sequential pipeline's score batches)
@@ -88,18 +89,7 @@ class StatsCollector:
             head = g.modules[0]
             if head not in modules:
                 raise UserError(f"linear {head} is not in the model: the weights and the architecture do not match")
-            self._handles.append(modules[head].register_forward_pre_hook(self._make_hook(gi)))
-
-    def __enter__(self) -> StatsCollector:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+            self.pre_hook(modules[head], self._make_hook(gi))
 
     def set_mask(self, attention_mask) -> None:
         """The current batch's validity ``[B, T]`` (1 = real token, 0 = padding)."""

@@ -34,6 +34,7 @@ import torch
 
 from resserve_export.core.errors import UserError
 from resserve_export.modeling.experts import ExpertBlock, fused_paths, expert_parts, fused_modules, routers
+from resserve_export.modeling.hooks import Observer
 
 
 class MoELayers:
@@ -73,20 +74,21 @@ class MoELayers:
         return gate_up, downs
 
 
-class ExpertRows:
+class ExpertRows(Observer):
     """Forward pre-hooks on the fused experts modules keeping, per block, the rows of the first
     `max_rows` valid (non-padding) tokens that reach them and the experts the router chose for
     each (`set_mask` before every forward pass)."""
 
     def __init__(self, model, blocks: list[ExpertBlock], max_rows: int):
+        super().__init__()
         self.blocks = {b.prefix: b for b in blocks}
         self.modules = fused_modules(model, blocks)
         self.max_rows = max_rows
         self._x: dict[str, list] = {p: [] for p in self.modules}
         self._idx: dict[str, list] = {p: [] for p in self.modules}
         self.count = {p: 0 for p in self.modules}
-        self._valid = None
-        self._handles = [mod.register_forward_pre_hook(self._hook(p), with_kwargs=True) for p, mod in self.modules.items()]
+        for p, mod in self.modules.items():
+            self.pre_hook(mod, self._hook(p), with_kwargs=True)
 
     def _hook(self, prefix: str):
         def hook(_mod, args, kwargs):
@@ -96,12 +98,12 @@ class ExpertRows:
             idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
             x = hs.detach().reshape(-1, hs.shape[-1])
             idx = idx.detach().reshape(x.shape[0], -1)
-            if self._valid is None or self._valid.numel() != x.shape[0]:
+            if self.valid is None or self.valid.numel() != x.shape[0]:
                 raise UserError(
                     f"the experts of {prefix} see {x.shape[0]} rows, not the batch's tokens: padding cannot be excluded for "
                     "them; this architecture's layout is not supported"
                 )
-            v = self._valid.to(x.device)
+            v = self.valid.to(x.device)
             n = self.max_rows - self.count[prefix]
             x, idx = x[v][:n], idx[v][:n]
             self._x[prefix].append(x.to("cpu", copy=True))
@@ -110,16 +112,8 @@ class ExpertRows:
 
         return hook
 
-    def set_mask(self, attention_mask) -> None:
-        self._valid = attention_mask.detach().reshape(-1).bool()
-
     def full(self) -> bool:
         return all(n >= self.max_rows for n in self.count.values())
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
 
     def tokens(self, prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(the search tokens' rows ``[N, hidden]``, their top-k expert indices ``[N, k]``)."""

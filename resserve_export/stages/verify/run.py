@@ -83,7 +83,10 @@ def _forward_nll(
         for b in batches:
             if on_batch is not None:
                 on_batch(b)
-            extra = kv.forward_kwargs(b["attention_mask"]) if kv is not None else {"use_cache": False}
+            extra = {"use_cache": False}
+            if kv is not None:
+                kv.set_mask(b["attention_mask"])
+                extra = kv.forward_kwargs()
             out = model(input_ids=b["input_ids"].to(dev), attention_mask=b["attention_mask"].to(dev), **extra)
             s, n = _nll(out.logits, b["input_ids"], b["attention_mask"])
             total, count = total + s, count + n
@@ -523,7 +526,7 @@ def evaluate(
     finally:
         cap.remove()
         if experts is not None:
-            experts.clear()
+            experts.end_batch()
 
     # 2. NMSE per fused group.
     backend = kernel.backend_for(torch.empty(0, dtype=dtype, device=device))
