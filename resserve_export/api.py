@@ -17,6 +17,7 @@ recompile limits, environment variables and torch's thread count are restored on
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -24,11 +25,24 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from resserve_export.stages.calibrate.run import CalibrationResult
+import torch
+
+from resserve_export.core import compiling
 from resserve_export.core.errors import UserError
+from resserve_export.core.outputs import check_writable
+from resserve_export.planners import SOLVERS
+from resserve_export.stages import plan as P
+from resserve_export.stages.calibrate import run as cal
+from resserve_export.stages.calibrate.run import CalibrationResult
 from resserve_export.stages.pack import run as _pack_module
 from resserve_export.stages.pack.run import PackResult
-from resserve_export.stages.size import SizeReport
+from resserve_export.stages.size import (
+    SizeReport,
+    estimate,
+    load_config,
+    other_files_bytes,
+)
+from resserve_export.stages.verify.run import verify as _verify
 
 
 @dataclass(frozen=True)
@@ -64,7 +78,6 @@ class VerifyResult:
 
 
 def _snapshot() -> dict:
-    import torch
 
     state: dict = {"env": dict(os.environ), "threads": torch.get_num_threads()}
     cfg = torch._dynamo.config
@@ -88,7 +101,6 @@ def _snapshot() -> dict:
 
 def _restore(state: dict) -> None:
     """Put back what `_snapshot` saw; a library first imported during the call gets its defaults."""
-    import torch
 
     for k in set(os.environ) - set(state["env"]):
         del os.environ[k]
@@ -99,7 +111,6 @@ def _restore(state: dict) -> None:
     cfg = torch._dynamo.config
     for k, v in state["dynamo"].items():
         setattr(cfg, k, v)
-    from resserve_export.core import compiling
 
     compiling.forget_raised_limits()
     if "transformers" in sys.modules:
@@ -154,7 +165,6 @@ def calibrate(
     mixture-of-experts model's experts take their statistics from)). `resume`: continue an interrupted layer-by-layer
     (sequential) run of the same `out` from its last resume point.
     """
-    from resserve_export.stages.calibrate import run as cal
 
     with restoring_process_state():
         cfg = cal.make_config(config, **settings)
@@ -179,9 +189,6 @@ def plan(
     Mixture-of-experts models: `moe_ratio` ``shared`` (one ratio per layer and projection kind
     across that layer's experts) or ``per-expert``; `moe_cost` ``bits`` (stored weights) or
     ``tokens`` (weights times each expert's routed-token share)."""
-    from resserve_export.stages import plan as P
-    from resserve_export.core.outputs import check_writable
-    from resserve_export.planners import SOLVERS
 
     with restoring_process_state():
         if solver not in SOLVERS:
@@ -211,7 +218,6 @@ def plan(
 
 def _restored(fn):
     """`fn` under `restoring_process_state` (same signature and docstring)."""
-    import functools
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
@@ -244,7 +250,6 @@ def verify(
 
     `progress`: None, or ``tick(phase, advance, total)`` (`ui.phases` gives one).
     """
-    from resserve_export.stages.verify.run import verify as _verify
 
     with restoring_process_state():
         rep = _verify(
@@ -271,7 +276,6 @@ def size(
 
     `other_bytes`: config, tokenizer and other copied files; None measures them beside the config.
     """
-    from resserve_export.stages.size import estimate, load_config, other_files_bytes
 
     cfg, where = load_config(config)
     if other_bytes is None:

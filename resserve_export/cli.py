@@ -6,20 +6,16 @@ import os
 import sys
 
 import typer
+from typer.core import TyperOption
 
-from resserve_export.commands import calibrate
-from resserve_export.commands import inspect
-from resserve_export.commands import pack
-from resserve_export.commands import plan
-from resserve_export.commands import size
-from resserve_export.commands import verify
+from resserve_export.commands import calibrate, inspect, pack, plan, size, verify
 from resserve_export.core.errors import UserError
 from resserve_export.core.ui import say
+
 
 def _no_placeholder_for_flags() -> None:
     """Help shows no ``<bool>`` after on/off flags (``--overwrite``, ``--json``, ``--help``):
     they take no value. Typer has no setting for this, so its option class is adjusted once."""
-    from typer.core import TyperOption
 
     shown = getattr(TyperOption, "display_type_rich", None)
     if shown is None or getattr(shown, "_resserve", False):

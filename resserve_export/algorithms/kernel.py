@@ -20,15 +20,16 @@ import shutil
 from pathlib import Path
 
 import torch
+from torch.utils.cpp_extension import CUDA_HOME, load
 
 from resserve_export.algorithms import kext
+from resserve_export.algorithms.selection import check_ratio
+from resserve_export.core.errors import UserError
 from resserve_export.formats import registry
 from resserve_export.formats.constants import SELECTION_GROUP
-from resserve_export.core.errors import UserError
 from resserve_export.formats.mxfp4 import ScaleRounding
 from resserve_export.formats.nvfp4 import global_scale
 from resserve_export.formats.qtensor import FP4Tensor
-from resserve_export.algorithms.selection import check_ratio
 
 BACKENDS = ("auto", "cuda", "reference")
 _ROUNDING_CODE = {ScaleRounding.CEIL: 0, ScaleRounding.FLOOR: 1, ScaleRounding.EVEN: 2}
@@ -72,7 +73,6 @@ def _unavailable_reason() -> str | None:
         return "the fused kernel needs a CUDA GPU and a CUDA build of PyTorch"
     if kernels_dir() is None:
         return "the kernel sources (kernels/quantize_extend.cu, kernels/binding.cpp) were not found; set RESSERVE_KERNELS_DIR"
-    from torch.utils.cpp_extension import CUDA_HOME
 
     if CUDA_HOME is None and shutil.which("nvcc") is None:
         return "building the fused kernel needs the CUDA compiler nvcc (set CUDA_HOME)"
@@ -88,7 +88,6 @@ def _extension():
     """Build (or load the cached build of) the extension for the GPU present."""
     if not KERNEL_AVAILABLE:
         raise KernelUnavailable(KERNEL_UNAVAILABLE_REASON)
-    from torch.utils.cpp_extension import load
 
     major, minor = torch.cuda.get_device_capability()
     os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"

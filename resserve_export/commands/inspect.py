@@ -6,6 +6,11 @@ import json
 from pathlib import Path
 
 import typer
+from rich.table import Table
+
+from resserve_export.core.ui import console
+from resserve_export.formats.registry import get as get_format
+from resserve_export.stages.inspect import inspect_checkpoint
 
 
 def command(
@@ -13,11 +18,7 @@ def command(
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
 ) -> None:
     """Format, per-layer ratio and mode, bytes and the extension's share of a packed checkpoint."""
-    from resserve_export.core.ui import console
-    from rich.table import Table
 
-    from resserve_export.stages.inspect import inspect_checkpoint
-    from resserve_export.formats.registry import get as get_format
 
     info = inspect_checkpoint(ckpt)
     if as_json:

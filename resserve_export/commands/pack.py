@@ -6,7 +6,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.console import Console
 
+from resserve_export.api import pack
 from resserve_export.formats.registry import FORMATS
 
 
@@ -34,9 +36,7 @@ def command(
     ),
 ) -> None:
     """Write an FP4 checkpoint (plain part for stock vLLM + resserve sidecar) from calibration and a ratio or plan."""
-    from rich.console import Console
 
-    from resserve_export.api import pack
 
     res = pack(
         model,

@@ -9,6 +9,11 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.table import Table
+
+from resserve_export import api
+from resserve_export.core.ui import console as make_console
+from resserve_export.stages import plan as P
 
 
 def command(
@@ -36,8 +41,6 @@ def command(
     ),
 ) -> None:
     """Plan per-layer residue ratios for a budget from stored sensitivity scores."""
-    from resserve_export import api
-    from resserve_export.core.ui import console as make_console
 
     res = api.plan(
         calib, budget, ratios=ratios, solver=solver, out=out, chart=chart, allow_other_weights=allow_other_weights,
@@ -63,9 +66,7 @@ def command(
 
 def table(plan: dict):
     """A rich table: one row per decoder layer, one column per group kind (ratio and score)."""
-    from rich.table import Table
 
-    from resserve_export.stages import plan as P
 
     kinds, layers = P.by_layer(plan)
     t = Table(title=f"ratio per layer (budget {plan['budget']:g} bits, method {plan['method']})")

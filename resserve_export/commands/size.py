@@ -7,7 +7,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.table import Table
 
+from resserve_export.api import size
+from resserve_export.core.ui import console
 from resserve_export.formats.registry import FORMATS
 
 
@@ -24,10 +27,7 @@ def command(
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     """Bytes of the checkpoint `pack` would write, per tensor class and in total, from config.json alone."""
-    from resserve_export.core.ui import console
-    from rich.table import Table
 
-    from resserve_export.api import size
 
     rep = size(config, fmt, ratio=ratio, plan=plan, other_bytes=tokenizer_bytes, max_shard_size=max_shard_size, kv_cache=kv_cache)
     if as_json:

@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from resserve_export.core.errors import UserError
 
@@ -45,7 +46,6 @@ class Ranks:
     def start(cls, device: str) -> Ranks:
         """Join the process group torchrun set up; the device this rank computes on is
         ``cuda:LOCAL_RANK`` when GPUs are visible and `device` is not ``cpu``."""
-        import torch.distributed as dist
 
         local = int(os.environ.get("LOCAL_RANK", "0"))
         gpu = device != "cpu" and torch.cuda.is_available()
@@ -69,7 +69,6 @@ class Ranks:
     def agree(self, error: BaseException | None) -> None:
         """Raise on every rank if any rank failed: its own error where it failed, a one-line
         `UserError` naming the first failed rank elsewhere."""
-        import torch.distributed as dist
 
         flag = torch.tensor([self.size if error is None else self.rank], dtype=torch.int64)
         if self.backend == "nccl":
@@ -83,7 +82,6 @@ class Ranks:
 
     def gather(self, obj) -> list | None:
         """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
-        import torch.distributed as dist
 
         out = [None] * self.size if self.rank == 0 else None
         dist.gather_object(obj, out, dst=0)
@@ -91,14 +89,12 @@ class Ranks:
 
     def broadcast(self, obj):
         """Rank 0's `obj` on every rank."""
-        import torch.distributed as dist
 
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def close(self) -> None:
-        import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()

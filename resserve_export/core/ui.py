@@ -13,6 +13,8 @@ import sys
 import time
 from contextlib import contextmanager
 
+from rich.console import Console
+
 # Wide enough for the per-layer tables; rich falls back to 80 columns when output is piped.
 MIN_PIPED_WIDTH = 140
 LOG_SECONDS_ENV = "RESSERVE_LOG_SECONDS"
@@ -29,7 +31,6 @@ def say(line: str) -> None:
 
 def console(**kw):
     """A rich Console that does not squash tables to 80 columns when stdout is a pipe or file."""
-    from rich.console import Console
 
     if not sys.stdout.isatty() and "width" not in kw:
         kw["width"] = MIN_PIPED_WIDTH
@@ -68,8 +69,16 @@ class Progress:
     def __enter__(self) -> Progress:
         if self.enabled and sys.stderr.isatty():
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-            from rich.progress import DownloadColumn, TransferSpeedColumn
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                MofNCompleteColumn,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+            from rich.progress import Progress as RichProgress
 
             count = [DownloadColumn(), TransferSpeedColumn()] if self.unit == "bytes" else [MofNCompleteColumn(), TextColumn(self.unit)]
             rate = [TextColumn("{task.fields[rate]}")] if self.rate_unit else []

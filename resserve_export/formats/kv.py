@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from resserve_export.core.errors import UserError
+from resserve_export.formats import registry
 
 KINDS = ("none", "fp8", "nvfp4")
 
@@ -41,7 +42,6 @@ def check_kind(kind: str) -> str:
 def check_for_format(kind: str, fmt) -> str:
     """`kind` checked, and supported by checkpoint format `fmt` (its loaders read those scales);
     a one-line `UserError` otherwise."""
-    from resserve_export.formats import registry
 
     f = registry.get(fmt)
     try:

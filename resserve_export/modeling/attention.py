@@ -10,12 +10,12 @@ from collections.abc import Callable
 import torch
 
 from resserve_export.core.errors import UserError
+from resserve_export.core.names import natural_key
 
 
 def attention_modules(shapes: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
     """Attention modules of a checkpoint from its headers: those with 2-D ``k_proj`` and
     ``v_proj`` weights (model order)."""
-    from resserve_export.core.names import natural_key
 
     out = []
     for name, (_, shape) in shapes.items():

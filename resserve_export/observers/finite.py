@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import torch
+
 
 def finite_each(tensors: list) -> list[bool]:
     """Whether each tensor holds only finite values, with one device-to-host copy per device
     (not one per tensor: a sync per layer would stall a GPU forward's launch queue)."""
-    import torch
 
     by_device: dict = {}
     for i, t in enumerate(tensors):

@@ -33,13 +33,14 @@ import os
 
 import torch
 
+from resserve_export.core.compiling import triton_modules
+
 _ROWS = 16
 _COLS = 128
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
-    from resserve_export.core.compiling import triton_modules
 
     mods = triton_modules()
     if mods is None:

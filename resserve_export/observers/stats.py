@@ -8,11 +8,13 @@ import math
 import os
 from collections.abc import Callable
 
+import torch
+
 from resserve_export.core.errors import UserError
 from resserve_export.modeling.forward import forward_kwargs, input_device
 from resserve_export.modeling.groups import Group
-from resserve_export.observers.finite import finite_each
 from resserve_export.modeling.hooks import Observer
+from resserve_export.observers.finite import finite_each
 
 # CPU hook reduction chunk: 2**19 floats (2 MiB in float32) stay in a core's L2/L3.
 CPU_CHUNK_ELEMENTS = 1 << 19
@@ -30,7 +32,6 @@ def _compiled_cpu_reduce():
     About 3x cheaper than the chunked eager reduction on CPU; None (eager fallback) when
     compilation is unavailable or disabled with RESSERVE_BACKEND=reference.
     """
-    import torch
 
     if os.environ.get("RESSERVE_BACKEND", "") == "reference":
         return None
@@ -66,7 +67,6 @@ class StatsCollector(Observer):
     gpu_reduction = "norm"
 
     def __init__(self, model, groups: list[Group], keep_batches: bool = False):
-        import torch
 
         super().__init__()
         self._torch = torch
@@ -254,7 +254,6 @@ def collect(
     pass then fills). `parts`: return `StatsCollector.parts()` (a data-parallel rank's share)
     instead of the statistics. `experts`: an installed `experts.ExpertCollector` that sees every
     batch too."""
-    import torch
 
     dev = input_device(model)
     kw = forward_kwargs(model)

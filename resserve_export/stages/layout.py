@@ -10,16 +10,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from resserve_export.formats import registry
-from resserve_export.formats.registry import HF_QUANT_CONFIG
-from resserve_export.storage.checkpoint import MODEL_INDEX, SIDECAR_INDEX, TensorSpec, split_shards
-from resserve_export.core.names import natural_key
-from resserve_export.formats.constants import SELECTION_GROUP
+from resserve_export.algorithms.kext import ext_width
 from resserve_export.core.errors import UserError
+from resserve_export.core.names import (
+    EXT_SCALE_SUFFIX,
+    EXT_WEIGHT_SUFFIX,
+    MASK_SUFFIX,
+    natural_key,
+)
+from resserve_export.formats import kv as kv_format
+from resserve_export.formats import registry
+from resserve_export.formats.constants import SELECTION_GROUP
+from resserve_export.formats.registry import HF_QUANT_CONFIG
+from resserve_export.modeling import attention as attention_layers
 from resserve_export.modeling.experts import expert_blocks
 from resserve_export.modeling.groups import Group, group_linears, linears_from_shapes
-from resserve_export.algorithms.kext import ext_width
-from resserve_export.core.names import MASK_SUFFIX, EXT_WEIGHT_SUFFIX, EXT_SCALE_SUFFIX
+from resserve_export.storage.checkpoint import (
+    MODEL_INDEX,
+    SIDECAR_INDEX,
+)
+from resserve_export.storage.safetensors import TensorSpec, split_shards
 
 # Files of a source model that are weights or that `pack` writes itself: never copied.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt", ".onnx")
@@ -58,8 +68,6 @@ def _member_specs(fmt: str, module: str, N: int, K: int, ratio: float) -> tuple[
 def kv_specs(shapes: dict[str, tuple[str, tuple[int, ...]]], fmt: str, kv_cache: str) -> dict[str, TensorSpec]:
     """The KV-cache scale tensors of a checkpoint in format `fmt` with KV-cache format `kv_cache`
     (none for ``none``): a k and a v scale per attention module of the headers."""
-    from resserve_export.modeling import attention as attention_layers
-    from resserve_export.formats import kv as kv_format
 
     if kv_format.check_for_format(kv_cache, fmt) == "none":
         return {}

@@ -17,12 +17,12 @@ from fractions import Fraction
 from pathlib import Path
 
 from resserve_export.core.errors import UserError
-from resserve_export.core.names import ratio_key
+from resserve_export.core.names import layer_index, ratio_key
 from resserve_export.core.outputs import write_file_atomic
 from resserve_export.formats.constants import RATIOS
+from resserve_export.modeling.experts import expert_parts
 from resserve_export.planners import Infeasible, Problem, objective, total_cost
 from resserve_export.planners import solve as solve_problem
-from resserve_export.core.names import layer_index
 
 SCORES_FILE = "scores.json"
 CALIBRATION_FILE = "calibration.json"
@@ -165,7 +165,6 @@ def decision_units(groups: list[dict], moe_ratio: str = "shared", moe_cost: str 
     (E·tokens_e / Σ tokens, from calibration.json; a decode-cost view: an expert no token reaches
     costs nothing), rounded to whole weights.
     """
-    from resserve_export.modeling.experts import expert_parts
 
     if moe_ratio not in MOE_RATIO:
         raise UserError(f"--moe-ratio must be one of {', '.join(MOE_RATIO)}, got {moe_ratio!r}")
@@ -209,7 +208,6 @@ def build_plan(
 ) -> dict:
     """The plan.json content for a budget: one ratio per group minimising the summed scores
     (experts' groups decided together or apart as `decision_units` says)."""
-    from resserve_export.modeling.experts import expert_parts
 
     budget = check_budget(budget)
     available = scored_ratios(scores)
@@ -290,7 +288,6 @@ def write_plan(plan: dict, out: Path, *, with_chart: bool = True) -> Path | None
 def kind_of(modules: list[str]) -> str:
     """Short label of a group's member leaves: "q/k/v", "gate/up", "o", "down"...; a routed
     expert's groups: "experts gate/up", "experts down" (Mixtral: "experts w1/w3", "experts w2")."""
-    from resserve_export.modeling.experts import expert_parts
 
     label = "/".join(m.rsplit(".", 1)[-1].removesuffix("_proj") for m in modules)
     return f"experts {label}" if expert_parts(modules[0]) is not None else label

@@ -18,11 +18,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from resserve_export import __version__
-from resserve_export.storage.checkpoint import MODEL_PREFIX, SIDECAR_PREFIX, dump_json, header_bytes, index_json, parse_size, ST_METADATA
 from resserve_export.core.errors import UserError
 from resserve_export.modeling.experts import expert_blocks, routers
-from resserve_export.stages.layout import build_layout, model_groups
-from resserve_export.stages.pack.run import check_format_arg, load_ratios
+from resserve_export.stages.layout import (
+    OWN_FILES,
+    WEIGHT_SUFFIXES,
+    build_layout,
+    model_groups,
+)
+from resserve_export.stages.pack.inputs import check_format_arg, load_ratios
+from resserve_export.storage.checkpoint import (
+    MODEL_PREFIX,
+    SIDECAR_PREFIX,
+    dump_json,
+)
+from resserve_export.storage.safetensors import ST_METADATA, header_bytes, index_json, parse_size
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
 _MOE = ("qwen3_moe", "mixtral", "deepseek_v3")
@@ -202,7 +212,6 @@ def estimate(
 
 def other_files_bytes(model_dir: Path) -> int:
     """Bytes of the non-weight files `pack` copies from a model directory (config.json included)."""
-    from resserve_export.stages.layout import OWN_FILES, WEIGHT_SUFFIXES
 
     total = 0
     for p in sorted(Path(model_dir).iterdir()):

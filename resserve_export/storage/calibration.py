@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import platform
+from importlib import metadata
 from pathlib import Path
 
+from safetensors.torch import load_file, save_file
+
+from resserve_export import __version__
 from resserve_export.core.errors import UserError
 
 
 def save_stats(stats: dict[str, dict], path: Path) -> None:
-    from safetensors.torch import save_file
 
     tensors = {}
     for m in sorted(stats):
@@ -21,7 +24,6 @@ def save_stats(stats: dict[str, dict], path: Path) -> None:
 
 def load_stats(calib_dir: Path) -> dict[str, dict]:
     """Read ``salience.safetensors`` back as ``{module: {"mean_abs": ..., "amax": ...}}``."""
-    from safetensors.torch import load_file
 
     path = Path(calib_dir) / "salience.safetensors"
     if not path.is_file():
@@ -34,9 +36,7 @@ def load_stats(calib_dir: Path) -> dict[str, dict]:
 
 
 def versions() -> dict[str, str]:
-    from importlib import metadata
 
-    from resserve_export import __version__
 
     out = {"resserve-export": __version__, "python": platform.python_version()}
     for pkg in ("torch", "transformers", "datasets", "accelerate", "safetensors"):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file, save_file
 
 from resserve_export.core.errors import UserError
 
@@ -10,7 +13,6 @@ FILE = "kv_cache.safetensors"
 
 
 def save(stats: dict[str, dict[str, torch.Tensor]], path) -> None:
-    from safetensors.torch import save_file
 
     tensors = {}
     for name in stats:
@@ -23,9 +25,7 @@ def load(calib_dir, attention: list[str]) -> dict[str, tuple[torch.Tensor, torch
     """``{attention module: (k_amax, v_amax)}`` from a calibration directory, for every module in
     `attention`; a one-line error when the calibration has none or lacks one, or an amax is not
     finite and positive."""
-    from pathlib import Path
 
-    from safetensors.torch import load_file
 
     path = Path(calib_dir) / FILE
     if not path.is_file():

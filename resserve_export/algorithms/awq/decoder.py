@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from resserve_export.algorithms.awq import moe as awq_moe
 from resserve_export.algorithms.awq.fold import Fold, o_proj_foldable
 
 
@@ -32,7 +33,6 @@ def plan_folds(model, blocks=(), shapes: dict | None = None) -> list[Fold]:
     (Gemma 2/3's ``pre_feedforward_layernorm``, else ``post_attention_layernorm``) → gate/up (a
     mixture-of-experts layer: every expert's, any shared expert's, and the routers, see `awq_moe`);
     ``v_proj`` → ``o_proj`` where heads allow; ``up_proj`` → ``down_proj`` (per expert)."""
-    from resserve_export.algorithms.awq import moe as awq_moe
 
     cfg = getattr(model, "config", None)
     text = getattr(cfg, "text_config", None) or cfg

@@ -32,8 +32,16 @@ from __future__ import annotations
 
 import torch
 
+from resserve_export.algorithms.awq.fold import Fold
+from resserve_export.algorithms.awq.search import Part
 from resserve_export.core.errors import UserError
-from resserve_export.modeling.experts import ExpertBlock, fused_paths, expert_parts, fused_modules, routers
+from resserve_export.modeling.experts import (
+    ExpertBlock,
+    expert_parts,
+    fused_modules,
+    fused_paths,
+    routers,
+)
 from resserve_export.modeling.hooks import Observer
 
 
@@ -56,7 +64,6 @@ class MoELayers:
     def folds(self, block: ExpertBlock, norm: str, norm_kind: str) -> tuple:
         """(the fold of `norm` into every expert's gate/up, the shared experts' and the routers,
         the down_proj folds: each expert's, then each shared expert's)."""
-        from resserve_export.algorithms.awq.fold import Fold
 
         path = self._paths[block.prefix][0]
         moe_path = path.rpartition(".")[0]
@@ -123,7 +130,6 @@ class ExpertRows(Observer):
         """The search `awq.Part` of an expert's decision group (its gate/up, or its down_proj) on
         the tokens routed to it, or None when none was; the activation scale's amax over every
         search token with ``--moe-calib all`` (`mode`), as the calibration records it."""
-        from resserve_export.algorithms.awq.search import Part
 
         prefix, e, role = expert_parts(group[0])
         x, idx = self.tokens(prefix)

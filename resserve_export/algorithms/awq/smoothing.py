@@ -34,12 +34,23 @@ columns, folded into the norm; each expert's down_proj into its own up_proj rows
 
 from __future__ import annotations
 
+import hashlib
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
-from resserve_export.algorithms.awq.fold import Fold, fold_into_norm, fold_into_rows, producer_row_scales, scale_columns
+from resserve_export.algorithms.awq.fold import (
+    Fold,
+    fold_into_norm,
+    fold_into_rows,
+    producer_row_scales,
+    scale_columns,
+)
 from resserve_export.core.errors import UserError
+from resserve_export.storage.safetensors import ST_DTYPES
 
 # ----------------------------------------------------------------------------- exact folds
 
@@ -68,9 +79,8 @@ def check_weight_algo(name: str) -> str:
 
 def storage_dtypes(shapes: dict) -> dict[str, torch.dtype]:
     """``{tensor name: torch dtype}`` of every floating-point tensor of safetensors headers `shapes`."""
-    from resserve_export.storage.checkpoint import DTYPES
 
-    return {n: DTYPES[d][0] for n, (d, _) in shapes.items() if d in DTYPES and DTYPES[d][0].is_floating_point}
+    return {n: ST_DTYPES[d][0] for n, (d, _) in shapes.items() if d in ST_DTYPES and ST_DTYPES[d][0].is_floating_point}
 
 
 class Smoothing:
@@ -167,7 +177,6 @@ class Smoothing:
                     params[n].detach().copy_(v)
 
     def save(self, path) -> None:
-        from safetensors.torch import save_file
 
         tensors = {f"{c}.{SCALE_SUFFIX}": s for c, s in self.scales.items()}
         save_file(tensors, str(path), metadata={"resserve_awq": "1"})
@@ -177,7 +186,6 @@ class Smoothing:
         """The smoothing a calibration directory recorded (None for ``rtn``), checked against
         the source's tensor headers `shapes` when given. `dtypes`: the stored dtype of each
         tensor (default: those of `shapes`)."""
-        from pathlib import Path
 
         algo = record.get("weight_algo") or {"name": "rtn"}
         if algo.get("name", "rtn") == "rtn":
@@ -187,8 +195,6 @@ class Smoothing:
         path = Path(calib) / (algo.get("file") or FILE)
         if not path.is_file():
             raise UserError(f"{calib} records AWQ smoothing but has no {path.name}: re-run calibrate")
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
 
         try:
             stored = load_file(str(path))
@@ -231,7 +237,6 @@ class Smoothing:
 
 
 def file_digest(path) -> str:
-    import hashlib
 
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
 

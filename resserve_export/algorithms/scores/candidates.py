@@ -25,17 +25,39 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch import nn
 
+from resserve_export.algorithms import kernel
+from resserve_export.algorithms.emulate import (
+    QuantizedWeight,
+    exact_operand,
+    quantized_matmul,
+    quantized_residue_operand,
+    residue_weight,
+    swapped,
+)
+from resserve_export.algorithms.kext import extend_weight, residue
+from resserve_export.algorithms.scores import fused
+from resserve_export.algorithms.scores.bf16 import (
+    _PREPARE_ROWS,
+    _base_operand,
+    _compiled_prepare,
+    _mm_f32,
+    _prepare_backend,
+    _split_base,
+    _sq_sums,
+    _sq_sums_split,
+)
+from resserve_export.algorithms.selection import (
+    check_ratio,
+    mask_to_indices,
+    mode_of,
+    select_mask,
+)
 from resserve_export.formats import registry
 from resserve_export.formats.constants import RATIOS
-from resserve_export.algorithms.emulate import QuantizedWeight, exact_operand, quantized_matmul, quantized_residue_operand, residue_weight, swapped
-from resserve_export.formats.ops import dequantize, quantize
-from resserve_export.modeling.groups import Group
-from resserve_export.algorithms.kext import extend_weight, residue
 from resserve_export.formats.mxfp4 import ScaleRounding
+from resserve_export.formats.ops import dequantize, quantize
 from resserve_export.formats.qtensor import FP4Tensor
-from resserve_export.algorithms.selection import check_ratio, mask_to_indices, mode_of, select_mask
-from resserve_export.algorithms.scores import fused
-from resserve_export.algorithms.scores.bf16 import _PREPARE_ROWS, _base_operand, _compiled_prepare, _mm_f32, _prepare_backend, _split_base, _sq_sums, _sq_sums_split
+from resserve_export.modeling.groups import Group
 
 
 class Candidates:
@@ -231,7 +253,6 @@ class Candidates:
         """(X̂', {ρ: R̂'_ρ}) through the fused CUDA kernel (bit-identical to the reference: it is
         checked against `kext.extended_activation` / `kext.full_residue` bit for bit): one launch
         per compensated ratio gives X̂ and that ratio's residue operand (bf16 through `_exact`)."""
-        from resserve_export.algorithms import kernel
 
         K = x.shape[-1]
         b = self.format.block

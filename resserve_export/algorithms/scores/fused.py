@@ -29,6 +29,7 @@ import os
 import torch
 
 from resserve_export.core.compiling import triton_modules
+from resserve_export.formats.fp4 import e2m1_table
 
 # Elements per program of the reduction: BLOCK lanes × _ITERS steps. 16K elements keep ≥ 1000
 # programs in flight for a [4096, 4096] output and the partial sums small.
@@ -151,7 +152,6 @@ def exact_bf16(q, fmt) -> torch.Tensor:
     """`emulate.exact_operand(q)` (bf16, α factored out), bit for bit, in one kernel: q an
     `FP4Tensor` of 2-D codes ``[M, width/2]`` (row-strided views allowed, e.g. a column slice of
     the fused kernel's ``[X̂ | R̂_S]``), `fmt` its `registry.Format`."""
-    from resserve_export.formats.fp4 import e2m1_table
 
     _, _, (_, kernel) = _triton()
     codes, scales = q.codes, q.scales

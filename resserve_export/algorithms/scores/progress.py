@@ -8,6 +8,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from resserve_export.core.ui import phases
+
 Tick = Callable[[int, int], None]
 
 
@@ -23,7 +25,6 @@ def scoring_progress(
     if progress is not None or not show:
         yield None, progress
         return
-    from resserve_export.core.ui import phases
 
     with phases() as tick:
         reached: dict[str, int] = {}
