@@ -11,7 +11,7 @@ DEMO := demo-out
 NVCC ?= nvcc
 export RESSERVE_TEXTS := $(abspath $(TEXTS))
 
-.PHONY: env data demo test test-fast kernel-check clean bench vllm-env test-vllm
+.PHONY: env data demo test test-fast kernel-check clean bench vllm-env test-vllm docs
 
 env: $(VENV)/.installed
 
@@ -79,6 +79,12 @@ $(VLLM_VENV)/.installed: pyproject.toml constraints.txt constraints-vllm.txt
 test-vllm: env data vllm-env
 	RESSERVE_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m pytest -q -rA -m vllm \
 		--basetemp=.cache/pytest-vllm tests/test_vllm.py
+
+# docs/cli.md: the CLI reference, generated from the Typer app by Typer's docs generator
+# (tests/test_cli_docs.py fails when it is out of date). Width and color pinned: same bytes anywhere.
+docs: env
+	TERMINAL_WIDTH=80 COLUMNS=80 NO_COLOR=1 $(BIN)/python -m typer resserve_export.cli utils docs \
+		--name resserve-export --output docs/cli.md
 
 clean:
 	rm -rf $(DEMO) .pytest_cache .hypothesis
