@@ -105,7 +105,8 @@ def generate(model_dir: Path, layers: int, arch: str = "qwen3-4b") -> None:
     """Random bf16 weights (std 0.02, a few outlier columns) with the architecture's tensor layout."""
     import torch
 
-    from resserve_export.storage.checkpoint import MODEL_INDEX, ShardedWriter, TensorSpec, dump_json, split_shards
+    from resserve_export.storage.checkpoint import MODEL_INDEX, dump_json
+    from resserve_export.storage.safetensors import ShardedWriter, TensorSpec, split_shards
     from resserve_export.stages.size import shapes_from_config
 
     cfg = {**ARCHS[arch][0], "num_hidden_layers": layers}

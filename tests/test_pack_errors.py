@@ -18,7 +18,7 @@ import torch
 from fixtures.tiny import make_calibration, make_model, plan_fields
 from safetensors.torch import load_file, save_file
 
-from resserve_export.storage import checkpoint
+from resserve_export.storage import safetensors
 from resserve_export.cli import main
 from resserve_export.core.errors import UserError
 from resserve_export.stages.pack.run import pack
@@ -152,7 +152,7 @@ def fail_writes_after(monkeypatch, n: int, code: int, text: str) -> dict:
     """The checkpoint writer's writes succeed `n` times, then raise OSError(code, text); returns
     the call count (``["n"]``)."""
     calls = {"n": 0}
-    real = checkpoint.ShardedWriter._write_bytes
+    real = safetensors.ShardedWriter._write_bytes
 
     def failing(self, data):
         calls["n"] += 1
@@ -160,7 +160,7 @@ def fail_writes_after(monkeypatch, n: int, code: int, text: str) -> dict:
             raise OSError(code, text)
         return real(self, data)
 
-    monkeypatch.setattr(checkpoint.ShardedWriter, "_write_bytes", failing)
+    monkeypatch.setattr(safetensors.ShardedWriter, "_write_bytes", failing)
     return calls
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from fixtures.tiny import make_calibration, make_model
 
-from resserve_export.storage import checkpoint
+from resserve_export.storage import safetensors
 from resserve_export.stages.pack import run as pack_module
 from resserve_export.cli import main
 from resserve_export.stages.pack.run import DEPTH_ENV, pack
@@ -76,13 +76,13 @@ def test_default_depth_pipelines_and_matches_serial(sharded, tmp_path, monkeypat
     monkeypatch.delenv(DEPTH_ENV, raising=False)
     assert pack_module.pipeline_depth() >= 2
     seen = set()
-    real = checkpoint.ShardedWriter.write
+    real = safetensors.ShardedWriter.write
 
     def write(self, name, tensor):
         seen.add(threading.current_thread().name)
         return real(self, name, tensor)
 
-    monkeypatch.setattr(checkpoint.ShardedWriter, "write", write)
+    monkeypatch.setattr(safetensors.ShardedWriter, "write", write)
     piped = pack(model, calib, tmp_path / "piped", "nvfp4", ratio=0.25, progress=False).out
     assert seen == {"pack-write"}  # written by the writer thread, not the quantizing one
     monkeypatch.setenv(DEPTH_ENV, "1")

@@ -1,4 +1,5 @@
-"""The checkpoint directory of SPEC §7: names, configs, a streaming sharded writer and a reader.
+"""The checkpoint directory (docs/formats.md): its file names, ``quantization_config.resserve``
+and the reader.
 
 Layout of a checkpoint ``CKPT/``::
 
@@ -18,359 +19,38 @@ Tensors of a quantized linear ``<m>``:
     sidecar:          <m>.resserve_mask U8 [K/8] (ratio > 0),
                       <m>.resserve_weight U8 [N,K_E/2] + <m>.resserve_weight_scale (partial ratio)
 
-Safetensors files are written by `ShardedWriter` from a layout fixed in advance (names, dtypes,
-shapes), so headers are known before any data is produced: tensors stream to disk one by one,
-memory stays bounded and the same inputs give byte-identical files. `read_checkpoint` is the
-reader `verify` and the vLLM plugin use.
+The safetensors files themselves (dtypes, headers, shards, the streaming writer and the file
+reader) are `storage.safetensors`. `read_checkpoint` is the reader `verify` and the vLLM plugin
+use.
 """
 
 from __future__ import annotations
 
-import errno
 import json
-import math
 import os
-import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from resserve_export.core.errors import UserError
-from resserve_export.core.names import natural_key
+from resserve_export.core.names import EXT_SCALE_SUFFIX, EXT_WEIGHT_SUFFIX, MASK_SUFFIX, natural_key
+from resserve_export.formats import kv as kv_format
 from resserve_export.formats import registry
 from resserve_export.formats.constants import SELECTION_GROUP
 from resserve_export.formats.qtensor import FP4Tensor, read_base
-from resserve_export.core.names import MASK_SUFFIX, EXT_WEIGHT_SUFFIX, EXT_SCALE_SUFFIX
+from resserve_export.storage.safetensors import SafetensorsFiles
 
 FORMAT_VERSION = 1
 MODEL_PREFIX = "model"
 SIDECAR_PREFIX = "resserve"
 MODEL_INDEX = "model.safetensors.index.json"
 SIDECAR_INDEX = "resserve.safetensors.index.json"
-# Written into every safetensors header (as transformers does).
-ST_METADATA = {"format": "pt"}
-
-# copy_file_range errors that mean "not between these files" (copy through memory instead)
-_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.ETXTBSY, errno.EPERM}
-
-# safetensors dtype name -> (torch dtype, element size)
-DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "BOOL": (torch.bool, 1),
-    "U8": (torch.uint8, 1),
-    "I8": (torch.int8, 1),
-    "I16": (torch.int16, 2),
-    "I32": (torch.int32, 4),
-    "I64": (torch.int64, 8),
-    "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2),
-    "F32": (torch.float32, 4),
-    "F64": (torch.float64, 8),
-    "F8_E4M3": (torch.float8_e4m3fn, 1),
-    "F8_E5M2": (torch.float8_e5m2, 1),
-}
-_TORCH_TO_ST = {v[0]: k for k, v in DTYPES.items()}
-
-
-def st_dtype(dtype: torch.dtype) -> str:
-    return _TORCH_TO_ST[dtype]
-
-
-def shard_name(prefix: str, i: int, n: int) -> str:
-    """``model-00001-of-00003.safetensors`` (i counts from 1)."""
-    return f"{prefix}-{i:05d}-of-{n:05d}.safetensors"
-
-
-def parse_size(text: str | int) -> int:
-    """``5GB`` -> 5·10⁹, ``500MiB`` -> 500·2²⁰, plain integers are bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", str(text), re.IGNORECASE)
-    if not m:
-        raise UserError(f"size {text!r} is not understood: write e.g. 5GB, 500MB, 2GiB or a byte count")
-    unit = m.group(2).upper().rstrip("B")
-    mult = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
-    value = int(float(m.group(1)) * mult[unit])
-    if value <= 0:
-        raise UserError(f"size {text!r} must be positive")
-    return value
-
-
-# --------------------------------------------------------------------------------------------
-# Tensor layout and safetensors headers
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Name, safetensors dtype and shape of one output tensor (known before its data)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype][1]
-
-
-def header_bytes(specs: list[TensorSpec], metadata: dict | None = None) -> bytes:
-    """The safetensors header (8-byte length + JSON padded to 8 bytes) for tensors in this order."""
-    hdr: dict = {}
-    if metadata:
-        hdr["__metadata__"] = dict(metadata)
-    off = 0
-    for s in specs:
-        hdr[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [off, off + s.nbytes]}
-        off += s.nbytes
-    raw = json.dumps(hdr, sort_keys=True, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def split_shards(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
-    """Greedy split in order: a new shard starts when the next tensor would exceed `max_bytes`
-    (a tensor larger than the limit gets a shard of its own)."""
-    shards: list[list[TensorSpec]] = []
-    cur: list[TensorSpec] = []
-    size = 0
-    for s in specs:
-        if cur and size + s.nbytes > max_bytes:
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append(s)
-        size += s.nbytes
-    if cur:
-        shards.append(cur)
-    return shards
-
-
-def file_bytes(shards: list[list[TensorSpec]]) -> int:
-    """Exact bytes on disk of these shards (headers + data)."""
-    return sum(len(header_bytes(sh, ST_METADATA)) + sum(s.nbytes for s in sh) for sh in shards)
-
-
-def index_json(prefix: str, shards: list[list[TensorSpec]]) -> dict:
-    n = len(shards)
-    weight_map = {s.name: shard_name(prefix, i + 1, n) for i, sh in enumerate(shards) for s in sh}
-    total = sum(s.nbytes for sh in shards for s in sh)
-    return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
 
 
 def dump_json(obj) -> str:
     """Deterministic JSON text (sorted keys, 2-space indent, trailing newline)."""
     return json.dumps(obj, indent=2, sort_keys=True) + "\n"
-
-
-# --------------------------------------------------------------------------------------------
-# Writer
-# --------------------------------------------------------------------------------------------
-
-
-class ShardedWriter:
-    """Writes tensors into pre-planned safetensors shards, strictly in layout order.
-
-    The layout (names, dtypes, shapes per shard) is fixed at construction, so each file's header
-    is written before its data and every tensor goes straight to disk.
-    """
-
-    def __init__(self, directory: Path, prefix: str, shards: list[list[TensorSpec]]):
-        self.directory, self.prefix, self.shards = Path(directory), prefix, shards
-        self._order = [(i, s) for i, sh in enumerate(shards) for s in sh]
-        self._pos = 0
-        self._file = None
-        self._file_index = -1
-        self.paths: list[Path] = []
-
-    @property
-    def names(self) -> list[str]:
-        return [s.name for _, s in self._order]
-
-    def _write_bytes(self, data) -> None:
-        self._file.write(data)
-
-    def _open(self, i: int) -> None:
-        self._close_file()
-        path = self.directory / shard_name(self.prefix, i + 1, len(self.shards))
-        self._file = open(path, "wb", buffering=1 << 20)
-        self._file_index = i
-        self.paths.append(path)
-        self._write_bytes(header_bytes(self.shards[i], ST_METADATA))
-
-    def _close_file(self) -> None:
-        if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
-            self._file = None
-
-    def next_spec(self) -> TensorSpec | None:
-        return self._order[self._pos][1] if self._pos < len(self._order) else None
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Write the next tensor of the layout (its name, dtype and shape must match)."""
-        i, spec = self._expect(name)
-        if st_dtype(tensor.dtype) != spec.dtype or tuple(tensor.shape) != spec.shape:
-            raise ValueError(
-                f"{name}: got {st_dtype(tensor.dtype)} {tuple(tensor.shape)}, layout says {spec.dtype} {spec.shape}"
-            )
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        self._write_bytes(memoryview(data))
-        self._pos += 1
-
-    def write_raw(self, name: str, chunks) -> None:
-        """Write the next tensor from an iterable of byte chunks (a verbatim copy)."""
-        _, spec = self._expect(name)
-        n = 0
-        for c in chunks:
-            n += len(c)
-            self._write_bytes(c)
-        if n != spec.nbytes:
-            raise ValueError(f"{name}: copied {n} bytes, layout says {spec.nbytes}")
-        self._pos += 1
-
-    def copy_from(self, name: str, fd: int, start: int, buffer: bytearray, source: str = "the source") -> None:
-        """Write the next tensor as a verbatim copy of its size in bytes at offset `start` of the
-        open file `fd` (named `source` in errors): copied by the kernel (``copy_file_range``, no
-        pass through this process's memory) where the file systems allow it, else read through
-        `buffer`."""
-        _, spec = self._expect(name)
-        self._file.flush()  # the kernel copy writes at the file's position
-        done = 0
-        if hasattr(os, "copy_file_range"):
-            try:
-                while done < spec.nbytes:
-                    got = os.copy_file_range(fd, self._file.fileno(), spec.nbytes - done, start + done)
-                    if got == 0:
-                        break  # the rest goes through the reads below, which report a truncation
-                    done += got
-            except OSError as e:
-                if e.errno not in _NO_KERNEL_COPY:
-                    raise
-        view = memoryview(buffer)
-        while done < spec.nbytes:
-            got = os.preadv(fd, [view[: min(len(view), spec.nbytes - done)]], start + done)
-            if got == 0:
-                raise unreadable(name, source, "the file is truncated")
-            self._write_bytes(view[:got])
-            done += got
-        self._pos += 1
-
-    def _expect(self, name: str) -> tuple[int, TensorSpec]:
-        if self._pos >= len(self._order):
-            raise ValueError(f"{name}: the layout has no more tensors")
-        i, spec = self._order[self._pos]
-        if spec.name != name:
-            raise ValueError(f"expected tensor {spec.name} next, got {name}")
-        if i != self._file_index:
-            self._open(i)
-        return i, spec
-
-    def close(self) -> None:
-        """Flush and fsync; every planned tensor must have been written."""
-        self._close_file()
-        if self._pos != len(self._order):
-            missing = [s.name for _, s in self._order[self._pos :]]
-            raise ValueError(f"{len(missing)} tensors were not written, first {missing[0]}")
-
-    def abort(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-    def index(self) -> dict:
-        return index_json(self.prefix, self.shards)
-
-
-# --------------------------------------------------------------------------------------------
-# Reader (no mmap: bounded memory, clear errors on truncated files)
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Entry:
-    path: Path
-    dtype: str
-    shape: tuple[int, ...]
-    start: int  # absolute byte offset in the file
-    nbytes: int
-
-
-class SafetensorsFiles:
-    """Tensors of several safetensors files, read by offset with plain file reads.
-
-    Headers are validated up front (JSON, dtypes, offsets within the file), so a corrupted or
-    truncated shard is reported before a long job starts.
-    """
-
-    def __init__(self, paths: list[Path]):
-        self.entries: dict[str, _Entry] = {}
-        self.metadata: dict[Path, dict] = {}
-        for p in paths:
-            self._scan(Path(p))
-
-    def _scan(self, path: Path) -> None:
-        bad = f"cannot read {path.name}: the shard looks corrupted or truncated, re-download or re-export it"
-        try:
-            size = path.stat().st_size
-            with open(path, "rb") as f:
-                head = f.read(8)
-                if len(head) != 8:
-                    raise UserError(bad)
-                (n,) = struct.unpack("<Q", head)
-                if n > min(size - 8, 100 << 20):
-                    raise UserError(bad)
-                hdr = json.loads(f.read(n))
-        except (OSError, ValueError, UnicodeDecodeError):
-            raise UserError(bad) from None
-        if not isinstance(hdr, dict):
-            raise UserError(bad)
-        self.metadata[path] = hdr.pop("__metadata__", None) or {}
-        base = 8 + n
-        for name, info in hdr.items():
-            try:
-                dtype, shape, (b, e) = info["dtype"], tuple(int(x) for x in info["shape"]), info["data_offsets"]
-                nbytes = math.prod(shape) * DTYPES[dtype][1]
-            except (KeyError, TypeError, ValueError):
-                raise UserError(bad) from None
-            if e - b != nbytes or b < 0 or base + e > size:
-                raise UserError(bad)
-            self.entries[name] = _Entry(path, dtype, shape, base + b, nbytes)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.entries
-
-    def keys(self) -> list[str]:
-        return list(self.entries)
-
-    def shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        return {k: (e.dtype, e.shape) for k, e in self.entries.items()}
-
-    def spec(self, name: str) -> TensorSpec:
-        e = self.entries[name]
-        return TensorSpec(name, e.dtype, e.shape)
-
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor, read into fresh memory."""
-        return self.read_into(name, torch.empty(self.entries[name].nbytes, dtype=torch.uint8))
-
-    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
-        """The tensor read into `out` (uint8, at least its size; e.g. a pinned staging buffer),
-        returned as a view of it in its dtype and shape."""
-        e = self.entries[name]
-        buf = out[: e.nbytes]
-        with open(e.path, "rb", buffering=0) as f:
-            f.seek(e.start)
-            got = f.readinto(memoryview(buf.numpy())) if e.nbytes else 0
-        if got != e.nbytes:
-            raise unreadable(name, e.path.name, "the file is truncated")
-        return buf.view(DTYPES[e.dtype][0]).reshape(e.shape)
-
-
-def unreadable(name: str, shard: str, why: str) -> UserError:
-    """The one-line error for tensor `name` that cannot be read from the file `shard`."""
-    return UserError(f"cannot read {name} from {shard}: {why}, re-download or re-export it")
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,7 +61,7 @@ def unreadable(name: str, shard: str, why: str) -> UserError:
 def resserve_section(
     fmt: str, rounding: str, groups: list[dict], provenance: dict, kv_cache: str = "none"
 ) -> dict:
-    """``quantization_config.resserve`` (SPEC §7). `groups`: dicts with members, ratio, mode, K, K_E;
+    """``quantization_config.resserve`` (docs/formats.md). `groups`: dicts with members, ratio, mode, K, K_E;
     `kv_cache` is recorded (with the attention modules' scale names) when it is not ``none``."""
     f = registry.get(fmt)
     section = {
@@ -480,8 +160,6 @@ class Checkpoint:
     def kv_scales(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{attention module: (k_scale, v_scale)}`` (0-d float32) of a checkpoint with KV-cache
         scales, else empty."""
-        from resserve_export.formats import kv as kv_format
-
         if self.kv_cache == "none":
             return {}
         out = {}
@@ -519,7 +197,7 @@ def read_checkpoint(ckpt_dir: str | os.PathLike, modules: list[str] | None = Non
     """``{module: PackedLinear}`` for every quantized linear (or the given ones) of a checkpoint.
 
     Each entry's ``base.dequantize()`` is the plain FP4 weight; ``FP4Tensor.cat([base, ext])`` is
-    the quantized extended weight ``[W | W_S | 0]`` of SPEC §6. For large models open a
+    the quantized extended weight ``[W | W_S | 0]`` (docs/formats.md, "The extended weight"). For large models open a
     `Checkpoint` and call ``read(module)`` one module at a time.
     """
     ck = Checkpoint(ckpt_dir)
@@ -530,14 +208,11 @@ __all__ = [
     "Checkpoint",
     "PackedLinear",
     "read_checkpoint",
-    "ShardedWriter",
-    "SafetensorsFiles",
-    "TensorSpec",
-    "header_bytes",
-    "split_shards",
-    "file_bytes",
-    "index_json",
-    "shard_name",
-    "parse_size",
+    "FORMAT_VERSION",
+    "MODEL_PREFIX",
+    "SIDECAR_PREFIX",
+    "MODEL_INDEX",
+    "SIDECAR_INDEX",
+    "dump_json",
     "resserve_section",
 ]

@@ -205,12 +205,12 @@ class _LayerReader:
     THREADS = 4
 
     def __init__(self, per_layer: list[list[str]], source, device, dtype):
-        from resserve_export.storage.checkpoint import DTYPES
+        from resserve_export.storage.safetensors import ST_DTYPES
 
         self.source, self.device, self.dtype = source, device, dtype
         for names in per_layer:  # every layer's tensors, before the first is read
             _require(names, source)
-        self.direct = all(DTYPES[source.entries[n].dtype][0] == dtype for ns in per_layer for n in ns)
+        self.direct = all(ST_DTYPES[source.entries[n].dtype][0] == dtype for ns in per_layer for n in ns)
         size = max((sum(_aligned(source.entries[n].nbytes) for n in ns) for ns in per_layer), default=0)
         pin = device.type == "cuda"
         self.bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)] if self.direct else []
@@ -344,7 +344,7 @@ def collect_sequential(
     from resserve_export.modeling import modelio
     from resserve_export.observers.stats import StatsCollector
     from resserve_export.modeling.forward import forward_kwargs
-    from resserve_export.storage.checkpoint import SafetensorsFiles
+    from resserve_export.storage.safetensors import SafetensorsFiles
     from resserve_export.observers.kv import KVCollector
 
     d = modelio.parse_device(device)

@@ -47,19 +47,14 @@ from resserve_export.modeling.groups import Group
 from resserve_export.modeling.modelio import source_dtype
 from resserve_export.stages.layout import OWN_FILES, WEIGHT_SUFFIXES, build_layout, model_groups, recorded_groups
 from resserve_export.storage.checkpoint import (
-    DTYPES,
     MODEL_INDEX,
     MODEL_PREFIX,
     SIDECAR_INDEX,
     SIDECAR_PREFIX,
-    SafetensorsFiles,
-    ShardedWriter,
     dump_json,
-    file_bytes,
-    parse_size,
     resserve_section,
-    unreadable,
 )
+from resserve_export.storage.safetensors import ST_DTYPES, SafetensorsFiles, ShardedWriter, file_bytes, parse_size, unreadable
 
 _GROUP_CACHE_BYTES = 1 << 30
 THREADS_ENV = "RESSERVE_PACK_THREADS"  # intra-op threads for CPU quantization (default 1)
@@ -491,7 +486,7 @@ class _Reader:
                 j.result()
         out = {}
         for m, e, view in members:
-            w = view.view(DTYPES[e.dtype][0]).reshape(e.shape)
+            w = view.view(ST_DTYPES[e.dtype][0]).reshape(e.shape)
             name = f"{m}.weight"
             out[m] = self.source.smoothing.apply(name, w) if self.source.changes(name) else w
         return out
