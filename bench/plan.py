@@ -241,6 +241,7 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
     # The bf16 path as it was before its Triton kernels (`scores.fused`): eager reductions and
     # operands, for the time and as the reference the kernels' scores are compared with.
     from resserve_export.algorithms.scores import fused
+    from resserve_export.algorithms.scores.device import mm_f32_native
 
     real = fused.available
     fused.available = lambda device: False
@@ -257,7 +258,7 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
     name = torch.cuda.get_device_name(0) if dev == "cuda" else "cpu"
     # The bf16 path's base product: two GEMMs with FP32 outputs where torch runs them, else one
     # GEMM of width 3K (`scores.Candidates.prepare_fast`).
-    split = S._mm_f32_native(torch.device(dev, 0) if dev == "cuda" else torch.device(dev), torch.bfloat16)
+    split = mm_f32_native(torch.device(dev, 0) if dev == "cuda" else torch.device(dev), torch.bfloat16)
     layout = "split: X̂'Ŵ'ᵀ and X Wᵀ with FP32 outputs" if split else "fused: one GEMM of width 3K"
     return [
         f"## Scoring cost on one GPU ({name}, random Qwen3-1.7B-shaped bf16 model)",

@@ -386,7 +386,7 @@ def test_split_reduction_compiled_matches_eager(gen):
     es = [torch.randn(5000, generator=gen).bfloat16() for _ in range(4)]
     c = torch.tensor(0.37)
     want = B._sq_sums_split_eager(g.bfloat16(), p, y, c, *es)
-    got = B._sq_sums_split(g.bfloat16(), p, y, c, *es)
+    got = B.grad_sq_sums_split(g.bfloat16(), p, y, c, *es)
     assert torch.allclose(got, want, rtol=1e-5, atol=0)
     # What it computes: Σ (g (c·p − y + c·e))² per e, the plain one first.
     gf = g.bfloat16().double()
@@ -439,7 +439,7 @@ def test_fast_prepare_with_the_kernel_is_bit_identical(tiny, fmt):
     for g in (groups[0], groups[3]):  # K = 64 (three members) and K = 128
         c = cands[g.modules]
         x = (torch.randn(300, c.linears[0].in_features) * 3).bfloat16().cuda()
-        assert B._prepare_backend(x) == "kernel"
+        assert B.prepare_backend(x) == "kernel"
         for split in (False, True):
             a0, ea = c.prepare_fast(x, backend="reference", split=split)
             b0, eb = c.prepare_fast(x, backend="kernel", split=split)
@@ -457,17 +457,17 @@ def test_gpu_products_write_fp32():
     dev = torch.device("cuda", torch.cuda.current_device())
     if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8):
         pytest.skip("torch.mm(..., out_dtype) needs torch >= 2.8")
-    assert D._mm_f32_native(dev, torch.bfloat16) and D._mm_f32_native(dev, torch.float16)
+    assert D.mm_f32_native(dev, torch.bfloat16) and D.mm_f32_native(dev, torch.float16)
     a = (torch.randn(64, 512, device=dev) * 3).bfloat16()
     b = (torch.randn(48, 512, device=dev) * 3).bfloat16()
-    got = B._mm_f32(a, b)
+    got = B.mm_f32(a, b)
     want = a.double() @ b.double().T
     assert got.dtype == torch.float32
     # FP32 outputs: well inside a bf16 output's 2⁻⁹ (the H200's tensor-core sums: 1.2e-4 at K=512).
     assert float(((got.double() - want).abs() / want.abs().clamp(min=1)).max()) < 2.0**-11
     x = torch.zeros(4, 64, dtype=torch.bfloat16, device=dev)
     lins = [torch.nn.Linear(64, 8).bfloat16().to(dev)]
-    assert B._split_base(x, lins) and not B._split_base(x.half(), lins)
+    assert B.split_base(x, lins) and not B.split_base(x.half(), lins)
 
 
 @pytest.mark.gpu
@@ -527,7 +527,7 @@ def test_fast_grad_scores_match_float64_oracle(tiny_bf16, fmt, split, monkeypatc
     """compute_scores(precision="bf16") on a bf16 model against float64 scores from retain_grad:
     tight, and the fp32 path (whose reference is the module's bf16 output) close to both. Both
     layouts of the base product (split: what CUDA GPUs run, emulated here)."""
-    monkeypatch.setattr(C, "_split_base", lambda x, linears: split)
+    monkeypatch.setattr(C, "split_base", lambda x, linears: split)
     model, groups, batches, stats = tiny_bf16
     cands = S.build_candidates(model, groups, stats, RATIOS, fmt=fmt)
     fast = S.compute_scores(model, batches, stats, groups, "grad", fmt=fmt, candidates=cands, show_progress=False, precision="bf16")
@@ -547,16 +547,16 @@ def test_precision_choice(tiny, monkeypatch):
     # On a GPU: bf16 for bf16 models; fp16 models too where the split layout keeps X in fp16.
     cuda = torch.device("cuda")
     for native in (True, False):
-        monkeypatch.setattr(P, "_mm_f32_native", lambda device, dtype: native)
+        monkeypatch.setattr(P, "mm_f32_native", lambda device, dtype: native)
         assert S.resolve_precision("auto", cuda, torch.bfloat16) == "bf16"
         assert S.resolve_precision("auto", cuda, torch.float16) == ("bf16" if native else "fp32")
         assert S.resolve_precision("auto", cuda, torch.float32) == "fp32"
         assert S.resolve_precision("fp32", cuda, torch.bfloat16) == "fp32"
-        assert P._bytes_per_weight("grad", "bf16", cuda, torch.bfloat16) == P._BYTES_PER_WEIGHT["bf16-split" if native else "bf16"]
-    assert P._bytes_per_weight("grad", "fp32", cuda, torch.bfloat16) == P._BYTES_PER_WEIGHT["fp32"]
-    assert P._bytes_per_weight("kl", "bf16", cuda, torch.bfloat16) == P._BYTES_PER_WEIGHT["fp32"]
+        assert P.bytes_per_weight_of("grad", "bf16", cuda, torch.bfloat16) == P._BYTES_PER_WEIGHT["bf16-split" if native else "bf16"]
+    assert P.bytes_per_weight_of("grad", "fp32", cuda, torch.bfloat16) == P._BYTES_PER_WEIGHT["fp32"]
+    assert P.bytes_per_weight_of("kl", "bf16", cuda, torch.bfloat16) == P._BYTES_PER_WEIGHT["fp32"]
     monkeypatch.undo()
-    assert P._bytes_per_weight("grad", "bf16", torch.device("cpu"), torch.bfloat16) == P._BYTES_PER_WEIGHT["bf16"]
+    assert P.bytes_per_weight_of("grad", "bf16", torch.device("cpu"), torch.bfloat16) == P._BYTES_PER_WEIGHT["bf16"]
     with pytest.raises(ValueError, match="unknown score precision"):
         S.compute_scores(model, batches, stats, groups[:1], "grad", candidates=cands, show_progress=False, precision="fp8")
     sc = S.compute_scores(model, batches[:1], stats, groups[:1], "grad", candidates=cands, show_progress=False)
@@ -626,7 +626,7 @@ def test_gpu_fused_reduction_matches_eager(gen):
             (fused.sq_sums(g, d0.bfloat16(), None, None, *es), B._sq_sums_eager(g, d0.bfloat16(), *es)),
         ]:
             assert got.shape == (1 + ne,) and torch.allclose(got.double(), want.double(), rtol=1e-5, atol=0), (n, ne, got, want)
-        assert torch.allclose(B._sq_sums_split(g, p, y, c, *es), fused.sq_sums(g, p, y, c, *es), rtol=0, atol=0)  # CUDA takes the kernel
+        assert torch.allclose(B.grad_sq_sums_split(g, p, y, c, *es), fused.sq_sums(g, p, y, c, *es), rtol=0, atol=0)  # CUDA takes the kernel
 
 
 @pytest.mark.gpu

@@ -44,13 +44,13 @@ from resserve_export.formats.constants import RATIOS
 from resserve_export.modeling.groups import Group
 from resserve_export.formats.mxfp4 import ScaleRounding
 from resserve_export.algorithms.selection import check_ratio
-from resserve_export.algorithms.scores.batches import _device_of, _take
+from resserve_export.algorithms.scores.batches import device_of, take
 from resserve_export.algorithms.scores.candidates import Candidates, build_candidates, quantized
-from resserve_export.algorithms.scores.device import _mm_f32_native  # noqa: F401  (bench/plan.py reads it as scores._mm_f32_native)
-from resserve_export.algorithms.scores.grad import _grad_scores
-from resserve_export.algorithms.scores.kl import _kl_scores, evaluate_kl, evaluate_kls
+
+from resserve_export.algorithms.scores.grad import grad_scores
+from resserve_export.algorithms.scores.kl import kl_scores, evaluate_kl, evaluate_kls
 from resserve_export.algorithms.scores.pool import CandidatePool, default_budget
-from resserve_export.algorithms.scores.precision import PRECISIONS, _bytes_per_weight, resolve_precision
+from resserve_export.algorithms.scores.precision import PRECISIONS, bytes_per_weight_of, resolve_precision
 from resserve_export.algorithms.scores.progress import scoring_progress
 from resserve_export.core.names import ratio_key
 
@@ -101,11 +101,11 @@ def compute_scores(
     rounding = ScaleRounding(rounding)
     dtypes = {model.get_submodule(m).weight.dtype for g in groups for m in g.modules}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    precision = resolve_precision(precision, _device_of(model), dtype)
+    precision = resolve_precision(precision, device_of(model), dtype)
     missing = [m for g in groups for m in g.modules if m not in stats]
     if missing:
         raise ValueError(f"no calibration stats for {missing[0]} ({len(missing)} modules)")
-    batches = _take(batches, num_samples, _device_of(model))
+    batches = take(batches, num_samples, device_of(model))
     num_samples = sum(int(b["input_ids"].shape[0]) for b in batches)
     if num_samples == 0:
         raise ValueError("no samples to score")
@@ -124,15 +124,15 @@ def compute_scores(
 
         try:
             if candidates is None:
-                budget = default_budget(_device_of(model)) if memory_budget is None else int(memory_budget)
-                bpw = _bytes_per_weight(method, precision, _device_of(model), dtype)
+                budget = default_budget(device_of(model)) if memory_budget is None else int(memory_budget)
+                bpw = bytes_per_weight_of(method, precision, device_of(model), dtype)
                 candidates = CandidatePool(model, groups, stats, ratios, fmt, rounding, budget, bpw)
                 # The grad hooks visit the groups last layer first: keep those that fit from there.
                 candidates.prebuild([g.modules for g in (reversed(groups) if method == "grad" else groups)], wprog)
             if method == "kl":
-                sums = _kl_scores(model, batches, groups, candidates, ratios, step)
+                sums = kl_scores(model, batches, groups, candidates, ratios, step)
             else:
-                sums = _grad_scores(model, batches, groups, candidates, ratios, step, precision, log=log)
+                sums = grad_scores(model, batches, groups, candidates, ratios, step, precision, log=log)
         finally:
             model.train(was_training)
     return scores_record(sums, groups, ratios, method, num_samples, fmt, rounding, precision, time.perf_counter() - t0)

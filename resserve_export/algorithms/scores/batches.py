@@ -1,7 +1,7 @@
 """The token batches the scores run on: where they go, which sequences, which tokens count.
 
-`_take` keeps the first n sequences on the model's device (`_device_of`) and trims columns that
-are padding in every row; `_valid` is the mask of the tokens that count. Both score methods and
+`take` keeps the first n sequences on the model's device (`device_of`) and trims columns that
+are padding in every row; `valid_tokens` is the mask of the tokens that count. Both score methods and
 `evaluate_kls` read their batches through these, so padding is handled in one place (padding
 never counts: KL is averaged over positions with attention_mask = 1, and the grad loss ignores
 padded targets).
@@ -13,13 +13,13 @@ import torch
 from torch import nn
 
 
-def _device_of(model: nn.Module) -> torch.device:
+def device_of(model: nn.Module) -> torch.device:
     emb = model.get_input_embeddings()
     dev = emb.weight.device if emb is not None else next(model.parameters()).device
     return torch.device("cpu") if dev.type == "meta" else dev
 
 
-def _take(batches: list[dict], n: int | None, device: torch.device) -> list[dict]:
+def take(batches: list[dict], n: int | None, device: torch.device) -> list[dict]:
     """The first n sequences of `batches` (all when n is None), on `device`."""
     out, left = [], n
     for b in batches:
@@ -39,5 +39,5 @@ def _take(batches: list[dict], n: int | None, device: torch.device) -> list[dict
 
 
 
-def _valid(mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+def valid_tokens(mask: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
     return (mask if mask is not None else torch.ones_like(ids)).bool()

@@ -10,9 +10,9 @@ and D_0 = Y_q(plain) − Y, the plain error, comes in one of two layouts:
   3K whose bf16 output rounds the small difference, not the outputs; H + L = W/c to ~2⁻¹⁷
   (H = bf16(W/c), L = bf16(W/c − H); L is dropped when it is zero, e.g. MXFP4 on a bf16
   model). X must be exact in bf16 (a bf16 model).
-- split (CUDA, where a bf16 GEMM can write FP32: `_mm_f32`): P = X̂'Ŵ'ᵀ and Y = X Wᵀ with
+- split (CUDA, where a bf16 GEMM can write FP32: `mm_f32`): P = X̂'Ŵ'ᵀ and Y = X Wᵀ with
   the module's own weight, both with FP32 outputs, and D_0 = c·P − Y formed in FP32 inside
-  the reduction (`_sq_sums_split`): two width-K products instead of one of width 3K, no
+  the reduction (`grad_sq_sums_split`): two width-K products instead of one of width 3K, no
   [X̂' | X | X] copy, no H/L weights (≈ 4 bytes per weight less), and D_0 rounded at 2⁻²⁴
   of Y instead of 2⁻⁹ of D_0. X only has to be exact in the module's dtype (bf16 or fp16).
 
@@ -22,7 +22,7 @@ tests/test_scores.py.
 
 This module holds the layout-level pieces that do not depend on one group: the compiled
 operand preparation (`_prepare_body`, from the format's own block functions through
-`registry`), the choice of preparation backend (`_prepare_backend`: compiled graph, fused CUDA
+`registry`), the choice of preparation backend (`prepare_backend`: compiled graph, fused CUDA
 kernel or eager reference), the squared-sum reductions, the FP32-output GEMM and the choice of
 layout. The per-group weights and the calls in order are `candidates.Candidates`' (its
 ``*_fast`` methods).
@@ -35,11 +35,11 @@ import os
 
 import torch
 
-from resserve_export.formats import registry
-from resserve_export.core.compiling import compile_or_eager
-from resserve_export.formats.mxfp4 import ScaleRounding
 from resserve_export.algorithms.scores import fused
-from resserve_export.algorithms.scores.device import _mm_f32_native
+from resserve_export.algorithms.scores.device import mm_f32_native
+from resserve_export.core.compiling import compile_or_eager
+from resserve_export.formats import registry
+from resserve_export.formats.mxfp4 import ScaleRounding
 
 
 def _prepare_body(x, alpha, idxs, *, fmt: str, rounding: ScaleRounding, modes: tuple, widths: tuple, twice: bool):
@@ -73,7 +73,7 @@ def _prepare_body(x, alpha, idxs, *, fmt: str, rounding: ScaleRounding, modes: t
     return a0, ops
 
 
-def _prepare_backend(x: torch.Tensor) -> str:
+def prepare_backend(x: torch.Tensor) -> str:
     """`prepare_fast`'s ``auto``: the compiled graph on CPU for inputs of ≥ 2^16 elements, the fused
     CUDA kernel for bf16/fp16 CUDA inputs when it can run, else the eager reference;
     ``RESSERVE_BACKEND=reference`` forces the reference."""
@@ -90,11 +90,11 @@ def _prepare_backend(x: torch.Tensor) -> str:
 
 
 # Rows per compiled `prepare_fast` call (static shapes vectorise ~2.5x better than dynamic ones).
-_PREPARE_ROWS = 128
+PREPARE_ROWS = 128
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_prepare(fmt: str, rounding: ScaleRounding, modes: tuple, widths: tuple, twice: bool):
+def compiled_prepare(fmt: str, rounding: ScaleRounding, modes: tuple, widths: tuple, twice: bool):
     body = functools.partial(_prepare_body, fmt=fmt, rounding=rounding, modes=modes, widths=widths, twice=twice)
     return compile_or_eager(body, dynamic=False, fullgraph=True)
 
@@ -139,42 +139,42 @@ def _compiled_reduction(fn, device_type: str):
     return compile_or_eager(fn, dynamic=True, fullgraph=True)
 
 
-def _sq_sums(g: torch.Tensor, d0: torch.Tensor, *es: torch.Tensor) -> torch.Tensor:
+def grad_sq_sums(g: torch.Tensor, d0: torch.Tensor, *es: torch.Tensor) -> torch.Tensor:
     """`_sq_sums_eager`: one Triton kernel on CUDA (`fused.sq_sums`), compiled on CPU (see `_fused`)."""
     if fused.available(g.device) and len(es) <= fused._MAX_ES:
         return fused.sq_sums(g, d0, None, None, *es)
     return _fused(_sq_sums_eager, g.device)(g, d0, *es)
 
 
-def _sq_sums_split(g, p, y, c, *es) -> torch.Tensor:
+def grad_sq_sums_split(g, p, y, c, *es) -> torch.Tensor:
     """`_sq_sums_split_eager`: one Triton kernel on CUDA (`fused.sq_sums`), compiled on CPU (see `_fused`)."""
     if fused.available(g.device) and len(es) <= fused._MAX_ES:
         return fused.sq_sums(g, p, y, c, *es)
     return _fused(_sq_sums_split_eager, g.device)(g, p, y, c, *es)
 
 
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ bᵀ with FP32 sums and an FP32 output. bf16/fp16 operands: one native GEMM writing FP32
-    where `_mm_f32_native`, else the same products (exact in FP32) in an FP32 GEMM (slow; only the
+    where `mm_f32_native`, else the same products (exact in FP32) in an FP32 GEMM (slow; only the
     split layout's tests take it on a CPU)."""
-    if a.dtype == b.dtype and _mm_f32_native(a.device, a.dtype):
+    if a.dtype == b.dtype and mm_f32_native(a.device, a.dtype):
         return torch.mm(a, b.T, out_dtype=torch.float32)
     return a.float() @ b.float().T
 
 
-def _split_base(x: torch.Tensor, linears) -> bool:
+def split_base(x: torch.Tensor, linears) -> bool:
     """Whether `prepare_fast` takes the split layout for input x of these linears: on CUDA, for
-    bf16/fp16 inputs of linears of the same dtype, where the GEMMs can write FP32 (`_mm_f32_native`).
+    bf16/fp16 inputs of linears of the same dtype, where the GEMMs can write FP32 (`mm_f32_native`).
     Elsewhere the fused layout: one GEMM of width 3K with a bf16 output (on CPUs an FP32 output
     would have to come from an FP32 GEMM, ~4x a bf16 one)."""
     return (
         x.device.type == "cuda"
         and all(lin.weight.dtype == x.dtype for lin in linears)
-        and _mm_f32_native(x.device, x.dtype)
+        and mm_f32_native(x.device, x.dtype)
     )
 
 
-def _base_operand(xhat: torch.Tensor, x: torch.Tensor, split: bool, twice: bool):
+def base_operand(xhat: torch.Tensor, x: torch.Tensor, split: bool, twice: bool):
     """The base operand of `prepare_fast`: ``(X̂', X)`` (split) or ``[X̂' | X | X]`` / ``[X̂' | X]``."""
     if split:
         return xhat, x

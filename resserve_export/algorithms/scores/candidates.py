@@ -37,14 +37,14 @@ from resserve_export.algorithms.emulate import (
 from resserve_export.algorithms.kext import extend_weight, residue
 from resserve_export.algorithms.scores import fused
 from resserve_export.algorithms.scores.bf16 import (
-    _PREPARE_ROWS,
-    _base_operand,
-    _compiled_prepare,
-    _mm_f32,
-    _prepare_backend,
-    _split_base,
-    _sq_sums,
-    _sq_sums_split,
+    PREPARE_ROWS,
+    base_operand,
+    compiled_prepare,
+    mm_f32,
+    prepare_backend,
+    split_base,
+    grad_sq_sums,
+    grad_sq_sums_split,
 )
 from resserve_export.algorithms.selection import (
     check_ratio,
@@ -205,7 +205,7 @@ class Candidates:
         """`prepare` for the bf16 path: the base operand(s) and the residue operands R̂'_ρ in bf16
         (the quantizations of `prepare` with α factored out). The base is ``[X̂' | X | X]``
         (``[X̂' | X]`` without L) in the fused layout, the pair ``(X̂', X)`` in the split one
-        (`split` None: `_split_base` decides; see the layouts above).
+        (`split` None: `split_base` decides; see the layouts above).
 
         backend ``compiled`` (auto on CPU for inputs ≥ 2^16 elements) runs the whole preparation as
         one `torch.compile` graph of the same format-core functions (bit-identical, tested);
@@ -213,27 +213,27 @@ class Candidates:
         ``reference`` composes the eager calls (`formats.quantize`, `emulate.quantized_residue_operand`).
         """
         comp, modes, idx, widths = self._fast_spec()
-        split = _split_base(x, self.linears) if split is None else split
+        split = split_base(x, self.linears) if split is None else split
         twice = not split and self._fast_weights(0)[0].shape[1] > 2 * x.shape[-1]
         backend = backend or self.backend
         if backend == "auto":
-            backend = _prepare_backend(x)
+            backend = prepare_backend(x)
         if backend == "kernel":
             xhat, extra = self._prepare_with_kernel(x, comp, modes, widths)
-            return _base_operand(xhat, x, split, twice), extra
+            return base_operand(xhat, x, split, twice), extra
         if backend == "compiled":
-            fn = _compiled_prepare(self.fmt, self.rounding, modes, widths, twice)
+            fn = compiled_prepare(self.fmt, self.rounding, modes, widths, twice)
             alpha = (self.input_alpha if self.input_alpha is not None else torch.ones(())).float().reshape(())
             idx = [i for i in idx if i is not None]
             # Fixed-size row chunks (the last one zero-padded): one compiled graph serves every M.
             M, K = x.shape
             a0 = x.new_empty((M, (3 if twice else 2) * K), dtype=torch.bfloat16)
             ops = [x.new_empty((M, w), dtype=torch.bfloat16) for w in widths]
-            for start in range(0, M, _PREPARE_ROWS):
-                chunk = x[start : start + _PREPARE_ROWS]
+            for start in range(0, M, PREPARE_ROWS):
+                chunk = x[start : start + PREPARE_ROWS]
                 rows = chunk.shape[0]
-                if rows < _PREPARE_ROWS:
-                    chunk = torch.cat([chunk, chunk.new_zeros((_PREPARE_ROWS - rows, K))])
+                if rows < PREPARE_ROWS:
+                    chunk = torch.cat([chunk, chunk.new_zeros((PREPARE_ROWS - rows, K))])
                 a, o = fn(chunk, alpha, idx)
                 a0[start : start + rows] = a[:rows]
                 for dst, src in zip(ops, o):
@@ -247,7 +247,7 @@ class Candidates:
                 res, xq, mode, mask=self.masks[r], width=width, rounding=self.rounding, backend=backend
             )
             extra[r] = exact_operand(rq)
-        return _base_operand(exact_operand(xq), x, split, twice), extra
+        return base_operand(exact_operand(xq), x, split, twice), extra
 
     def _prepare_with_kernel(self, x, comp, modes, widths):
         """(X̂', {ρ: R̂'_ρ}) through the fused CUDA kernel (bit-identical to the reference: it is
@@ -294,12 +294,12 @@ class Candidates:
         es = [(extra[r] @ wres[r].T).reshape(-1) for r in comp]
         c, c2 = self._c_on(grad.device)
         if split:
-            p = _mm_f32(base[0], b0[0])
-            y = _mm_f32(base[1], b0[1])
-            sums = _sq_sums_split(grad.reshape(-1), p.reshape(-1), y.reshape(-1), c, *es).double()
+            p = mm_f32(base[0], b0[0])
+            y = mm_f32(base[1], b0[1])
+            sums = grad_sq_sums_split(grad.reshape(-1), p.reshape(-1), y.reshape(-1), c, *es).double()
         else:
             d0 = base @ b0.T
-            sums = _sq_sums(grad.reshape(-1), d0.reshape(-1), *es).double() * c2
+            sums = grad_sq_sums(grad.reshape(-1), d0.reshape(-1), *es).double() * c2
         # sums: [plain, then the compensated ratios in order]; `ratios` is sorted, so it is the
         # whole vector when it holds ratio 0 and the tail otherwise.
         first = 0 if mode_of(self.ratios[0]) == "plain" else 1

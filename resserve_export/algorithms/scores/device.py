@@ -1,10 +1,10 @@
 """What this machine's GEMMs can do, for the bf16 path of the grad scores.
 
-Two facts, each probed once: whether bf16 GEMMs are fast here (`_fast_bf16`: any CUDA GPU, or a
+Two facts, each probed once: whether bf16 GEMMs are fast here (`fast_bf16`: any CUDA GPU, or a
 CPU whose ``/proc/cpuinfo`` lists AVX512-BF16 or AMX), which `precision.resolve_precision` reads
-to pick ``auto``; and whether a bf16/fp16 GEMM can write its FP32 sums (`_mm_f32_native`: CUDA
-with torch ≥ 2.8), which decides the layout of the base product (`bf16._split_base`) and so the
-memory the candidates take (`precision._bytes_per_weight`). They live here, apart from the
+to pick ``auto``; and whether a bf16/fp16 GEMM can write its FP32 sums (`mm_f32_native`: CUDA
+with torch ≥ 2.8), which decides the layout of the base product (`bf16.split_base`) and so the
+memory the candidates take (`precision.bytes_per_weight_of`). They live here, apart from the
 arithmetic that uses them, so the platform probing has one home.
 """
 
@@ -15,7 +15,7 @@ import functools
 import torch
 
 
-def _fast_bf16(device: torch.device) -> bool:
+def fast_bf16(device: torch.device) -> bool:
     """Whether bf16 GEMMs are fast on this device: any CUDA GPU (the bf16 path is ~2.6x faster
     than the FP32 emulation on an H200, bench/results/plan.md), or a CPU with AVX512-BF16 or AMX,
     where a bf16 GEMM is ~4x an FP32 one."""
@@ -32,7 +32,7 @@ def _fast_bf16(device: torch.device) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _mm_f32_native(device: torch.device, dtype: torch.dtype) -> bool:
+def mm_f32_native(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch.mm(a, b, out_dtype=torch.float32)`` runs for `dtype` operands on `device`:
     a bf16/fp16 GEMM (FP32 accumulation) that writes its FP32 sums instead of rounding them, on
     CUDA with torch ≥ 2.8. Probed once per (device, dtype) on a tiny product."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from resserve_export.algorithms.scores.batches import _valid
+from resserve_export.algorithms.scores.batches import valid_tokens
 
 
 def score_hooks(model, groups, cands, ratios, fast: bool, add) -> list:
@@ -102,14 +102,14 @@ class ScoreSums:
 def next_token_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, int]:
     """Σ of the next-token cross-entropy (FP32 log-softmax) over the targets where position t
     and t+1 are both valid tokens, and their count."""
-    valid = _valid(mask, ids)
+    valid = valid_tokens(mask, ids)
     target_ok = valid[:, 1:] & valid[:, :-1]
     lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     nll = -lp.gather(-1, ids[:, 1:, None]).squeeze(-1)
     return torch.sum(nll[target_ok]), int(target_ok.sum())
 
 
-def _grad_scores(model, batches, groups, cands, ratios, step, precision: str = "fp32", log: dict | None = None) -> dict:
+def grad_scores(model, batches, groups, cands, ratios, step, precision: str = "fp32", log: dict | None = None) -> dict:
     """Per group ``{ratio: score}``. `log`: also record every addition and the token count
     (``log["tokens"]``), for a data-parallel rank (`distributed`)."""
     fast = precision == "bf16"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from resserve_export.algorithms.scores.batches import _device_of, _take, _valid
+from resserve_export.algorithms.scores.batches import device_of, valid_tokens, take
 from resserve_export.algorithms.scores.candidates import quantized
 
 
@@ -50,13 +50,13 @@ def _kl_sum(ref_logp: torch.Tensor, logits: torch.Tensor, valid: torch.Tensor) -
     return float(torch.sum(ref_logp.exp() * (ref_logp - logq)))
 
 
-def _kl_scores(model, batches, groups, cands, ratios, step) -> dict:
+def kl_scores(model, batches, groups, cands, ratios, step) -> dict:
     structure = _decoder_layers(model)
     sums = {g.modules: {r: 0.0 for r in ratios} for g in groups}
     tokens = 0
     for batch in batches:
         ids, mask = batch["input_ids"], batch.get("attention_mask")
-        valid = _valid(mask, ids)
+        valid = valid_tokens(mask, ids)
         tokens += int(valid.sum())
         captured: dict[int, tuple[torch.Tensor, dict]] = {}
         final: list[torch.Tensor] = []
@@ -118,12 +118,12 @@ def evaluate_kl(model: nn.Module, batches: list[dict], candidates: dict, ratios:
 
 def evaluate_kls(model: nn.Module, batches: list[dict], candidates: dict, plans: list[dict[tuple[str, ...], float]]) -> list[float]:
     """`evaluate_kl` for several plans, sharing the unquantized reference pass."""
-    batches = _take(batches, None, _device_of(model))
+    batches = take(batches, None, device_of(model))
     totals, tokens = [0.0] * len(plans), 0
     with torch.no_grad():
         for b in batches:
             ids, mask = b["input_ids"], b.get("attention_mask")
-            valid = _valid(mask, ids)
+            valid = valid_tokens(mask, ids)
             ref = torch.log_softmax(model(input_ids=ids, attention_mask=mask, use_cache=False).logits[valid].float(), dim=-1)
             for k, ratios in enumerate(plans):
                 with quantized(model, candidates, ratios):

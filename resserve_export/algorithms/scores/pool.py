@@ -4,7 +4,7 @@ Building a group's `candidates.Candidates` is the costly part (every member quan
 ratio), and keeping all of them may not fit: `CandidatePool` keeps the groups that fit a byte
 budget (`default_budget`: half the memory free on the device) and rebuilds the others per
 batch. Candidates are deterministic, so the scores are the same bits either way. The bytes a
-group takes per weight depend on the precision and layout (`precision._bytes_per_weight`).
+group takes per weight depend on the precision and layout (`precision.bytes_per_weight_of`).
 """
 
 from __future__ import annotations

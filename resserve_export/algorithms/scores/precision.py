@@ -3,7 +3,7 @@
 ``fp32`` runs the emulated linear's own FP32 products; ``bf16`` the exact FP4 operands in bf16
 GEMMs (`bf16`, `Candidates.prepare_fast`); ``auto`` picks from the device facts of `device`
 (`resolve_precision`). The precision and the device also fix the layout the candidates build,
-hence their bytes per weight (`_bytes_per_weight`), which sizes the memory-bounded
+hence their bytes per weight (`bytes_per_weight_of`), which sizes the memory-bounded
 `pool.CandidatePool`: both answers come from the same facts, so they live together.
 """
 
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from resserve_export.algorithms.scores.device import _fast_bf16, _mm_f32_native
+from resserve_export.algorithms.scores.device import fast_bf16, mm_f32_native
 
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
 def resolve_precision(precision: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
     """``fp32`` or ``bf16`` for the grad scores' candidate products. ``auto`` is bf16 where bf16
-    GEMMs are fast (`_fast_bf16`: CUDA GPUs, CPUs with AVX512-BF16/AMX) for a model whose
+    GEMMs are fast (`fast_bf16`: CUDA GPUs, CPUs with AVX512-BF16/AMX) for a model whose
     activations are exact operands of its products there: a bf16 model, or on a GPU an fp16 model
     when the split layout runs (its X Wᵀ keeps X in fp16; the fused layout would round X to bf16).
     Else fp32 (e.g. an FP32 model: its activations are not exact in bf16)."""
@@ -26,9 +26,9 @@ def resolve_precision(precision: str, device: torch.device, dtype: torch.dtype =
         raise ValueError(f"unknown score precision {precision!r}, available: {list(PRECISIONS)}")
     if precision == "auto":
         device = torch.device(device)
-        if not _fast_bf16(device):
+        if not fast_bf16(device):
             return "fp32"
-        exact = dtype == torch.bfloat16 or (dtype == torch.float16 and _mm_f32_native(device, dtype))
+        exact = dtype == torch.bfloat16 or (dtype == torch.float16 and mm_f32_native(device, dtype))
         return "bf16" if exact else "fp32"
     return precision
 
@@ -40,9 +40,9 @@ def resolve_precision(precision: str, device: torch.device, dtype: torch.dtype =
 _BYTES_PER_WEIGHT = {"fp32": 8.5, "bf16": 16.5, "bf16-split": 12.5}
 
 
-def _bytes_per_weight(method: str, precision: str, device: torch.device, dtype: torch.dtype) -> float:
+def bytes_per_weight_of(method: str, precision: str, device: torch.device, dtype: torch.dtype) -> float:
     """`_BYTES_PER_WEIGHT` of the layout the scores will build on `device` for a `dtype` model."""
     if method != "grad" or precision != "bf16":
         return _BYTES_PER_WEIGHT["fp32"]
-    split = device.type == "cuda" and _mm_f32_native(device, dtype)
+    split = device.type == "cuda" and mm_f32_native(device, dtype)
     return _BYTES_PER_WEIGHT["bf16-split" if split else "bf16"]
