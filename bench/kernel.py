@@ -1,4 +1,4 @@
-"""Build, check and time the fused quantize-and-extend kernel on the GPU present (SPEC §11).
+"""Build, check and time the fused quantize-and-extend kernel on the GPU present (docs/formats.md, "The fused quantize-and-extend kernel").
 
     python bench/kernel.py [--out bench/results/kernel.md] [--commit HASH]
 

@@ -2,7 +2,7 @@
 
 For X, W ~ N(0, 1) (activations [M, K], weights [N, K]) prints a Markdown table of
 
-  NMSE = Σ‖y − y_ref‖² / Σ‖y_ref‖²   (SPEC §1)
+  NMSE = Σ‖y − y_ref‖² / Σ‖y_ref‖²   (docs/formats.md, "Verification metrics")
 
 for: the weight QDQ; the activation QDQ plain, with residue compensation of a fraction ρ of the
 channels (K-Ext, channels chosen by mean |x| as in calibration) and with full compensation

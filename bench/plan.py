@@ -1,4 +1,4 @@
-"""Planner and scoring costs (issue 4, SPEC §10).
+"""Planner and scoring costs (docs/formats.md, "Ratio planner").
 
 1. Solve time for 400 groups × 5 ratios (target < 1 s) with CBC, HiGHS (when installed) and the
    greedy baseline, on seeded random scores shaped like real ones (damage falls with the ratio,

@@ -6,7 +6,7 @@ Quantizes a bf16 [12288, 4096] tensor (Qwen3-8B's MLP shape) to NVFP4 and MXFP4 
 table of GB/s of bf16 input (best of N warm runs) and the ratio ours / ModelOpt. Compile time of
 our path is reported separately (first call minus the best warm run). Before timing, the NVFP4
 results are checked bit for bit against ModelOpt (codes, block scales, α) and the MXFP4 block
-exponents for equality (ModelOpt's element rounding differs at ties, see SPEC §4).
+exponents for equality (ModelOpt's element rounding differs at ties, see docs/formats.md, "MXFP4").
 
   .venv/bin/python bench/quantize.py [--rows 12288] [--cols 4096] [--repeats 5] [--modelopt-repeats 3]
 """

@@ -1,4 +1,4 @@
-// Fused quantize-and-extend for FP4 activations with residue compensation (SPEC §3-§6, §11).
+// Fused quantize-and-extend for FP4 activations with residue compensation (docs/formats.md: NVFP4, MXFP4, channel selection, K-Ext, the fused kernel).
 //
 //   x [M, K] (bf16 or fp16)  ->  base FP4 codes + block scales of x, and in the same pass the
 //   selected residues r = x - QDQ(x), compacted per mask byte and quantized into the extension

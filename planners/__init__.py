@@ -1,4 +1,4 @@
-"""Ratio planners (SPEC §10): pick one residue ratio per decision group under an effective-bits budget.
+"""Ratio planners (docs/formats.md, "Ratio planner"): pick one residue ratio per decision group under an effective-bits budget.
 
 All solvers take a `Problem` (multiple-choice knapsack: one option per group, integer costs, one
 capacity) and return the chosen option index per group:

@@ -1,4 +1,4 @@
-"""Exact planner: an integer linear program in PuLP (SPEC §10).
+"""Exact planner: an integer linear program in PuLP (docs/formats.md, "Ratio planner").
 
 One binary x[l, j] per (group, option), Σ_j x[l, j] = 1 for every group, Σ cost·x ≤ capacity,
 minimise Σ score·x. Solved to optimality (gapRel = 0) by CBC (bundled with PuLP) or HiGHS (pulp's
