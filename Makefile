@@ -11,7 +11,7 @@ DEMO := demo-out
 NVCC ?= nvcc
 export RESSERVE_TEXTS := $(abspath $(TEXTS))
 
-.PHONY: env data demo test test-fast kernel-check clean bench vllm-env test-vllm docs
+.PHONY: env data demo test kernel-check clean vllm-env test-vllm docs
 
 env: $(VENV)/.installed
 
