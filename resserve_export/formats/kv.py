@@ -68,7 +68,7 @@ def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     return (torch.as_tensor(amax, dtype=torch.float32).reshape(()) / SCALE_DIVISOR).float()
 
 
-def qdq(x: torch.Tensor, scale: torch.Tensor | float, kind: str) -> torch.Tensor:
+def kv_qdq(x: torch.Tensor, scale: torch.Tensor | float, kind: str) -> torch.Tensor:
     """Keys or values `x` (last dim = head dim) after the KV cache's quantize-dequantize with
     the per-tensor `scale`, in x's dtype. FP8: E4M3 of ``x / scale`` (round to nearest even,
     saturating at ±448). NVFP4: NVFP4 blocks of 16 along the head dim with α = scale."""

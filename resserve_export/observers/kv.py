@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from resserve_export.core.errors import UserError
-from resserve_export.formats.kv import qdq
+from resserve_export.formats.kv import kv_qdq
 from resserve_export.modeling.attention import cache_kwargs, layer_names, observing_cache
 from resserve_export.modeling.hooks import Observer
 
@@ -134,7 +134,7 @@ class KVQuantizer(Observer):
 
     ``emulate=True``: attention reads the quantize-dequantized keys and values (perplexity with
     a quantized KV cache). ``emulate=False``: attention reads the originals and the error is
-    measured: per layer Σ(qdq(x) − x)² and Σx² over valid tokens accumulate in float64
+    measured: per layer Σ(kv_qdq(x) − x)² and Σx² over valid tokens accumulate in float64
     (`nmse`).
     """
 
@@ -161,7 +161,7 @@ class KVQuantizer(Observer):
     def _observe(self, idx: int, k: torch.Tensor, v: torch.Tensor):
         name = self.names[idx]
         if self.emulate:
-            kq, vq = (qdq(x, s, self.kind) for x, s in zip((k, v), self.scales[name]))
+            kq, vq = (kv_qdq(x, s, self.kind) for x, s in zip((k, v), self.scales[name]))
             return kq, vq
         valid = None
         if self._mask is not None and k.dim() == 4 and (k.shape[0], k.shape[2]) == tuple(self._mask.shape):
@@ -169,7 +169,7 @@ class KVQuantizer(Observer):
         with torch.no_grad():
             for j, (x, s) in enumerate(zip((k, v), self.scales[name])):
                 xf = x.detach().double()
-                d2, r2 = (qdq(x, s, self.kind).detach().double() - xf).square(), xf.square()
+                d2, r2 = (kv_qdq(x, s, self.kind).detach().double() - xf).square(), xf.square()
                 if valid is not None:
                     d2, r2 = d2.masked_fill(~valid, 0), r2.masked_fill(~valid, 0)
                 self.err[name][j] += float(d2.sum())
