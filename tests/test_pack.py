@@ -17,7 +17,7 @@ from resserve_export.formats import ops as formats
 from resserve_export.modeling import modelio
 from resserve_export.formats import nvfp4
 from resserve_export.storage.checkpoint import Checkpoint, read_checkpoint
-from resserve_export.algorithms.kext import _compact, ext_width
+from resserve_export.algorithms.kext import compact, ext_width
 from resserve_export.stages.pack.run import pack
 from resserve_export.formats.qtensor import FP4Tensor
 from resserve_export.algorithms.selection import mask_to_bool
@@ -85,7 +85,7 @@ def test_read_back_equals_reference(tiny, tmp_path, fmt, ratio, rounding):
             K = w.shape[-1]
             K_E = ext_width(K, ratio, fmt)
             assert p.ext.codes.shape == (w.shape[0], K_E // 2) and p.K_E == K_E
-            full = torch.cat([w.float(), _compact(w, p.mask, K_E)], dim=-1)
+            full = torch.cat([w.float(), compact(w, p.mask, K_E)], dim=-1)
             fq = formats.quantize(full, fmt, alpha=alpha, rounding=rounding, backend="reference")
             _eq(p.ext, fq.narrow(K, K_E))
             _eq(p.base, fq.narrow(0, K))

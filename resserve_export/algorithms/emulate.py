@@ -20,7 +20,7 @@ from torch import nn
 
 from resserve_export.formats import registry
 from resserve_export.formats.ops import dequantize, quantize
-from resserve_export.algorithms.kext import _compact, ext_width, extend_weight, residue
+from resserve_export.algorithms.kext import compact, ext_width, extend_weight, residue
 from resserve_export.formats.mxfp4 import ScaleRounding
 from resserve_export.formats.qtensor import FP4Tensor
 from resserve_export.algorithms.selection import check_ratio, mode_of
@@ -88,7 +88,7 @@ def quantized_residue_operand(
 ) -> FP4Tensor:
     """The residue operand of a compensated product in FP4, with the base α of `xq`: R for
     ``full``, ``[R_S | 0]`` of the extension's `width` for ``k_ext``."""
-    src = res if mode == "full" else _compact(res, mask, width)
+    src = res if mode == "full" else compact(res, mask, width)
     return quantize(src, xq.fmt, alpha=xq.global_scale, rounding=rounding, backend=backend)
 
 

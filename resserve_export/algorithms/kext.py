@@ -31,7 +31,7 @@ def extended_width(K: int, ratio: float, fmt: str) -> int:
     return K + ext_width(K, ratio, fmt)
 
 
-def _compact(x: torch.Tensor, mask: torch.Tensor, width: int) -> torch.Tensor:
+def compact(x: torch.Tensor, mask: torch.Tensor, width: int) -> torch.Tensor:
     """``[x[..., S] | 0]`` of the given width, S in ascending channel order, FP32."""
     idx = mask_to_indices(mask).to(x.device)
     out = x.new_zeros((*x.shape[:-1], width), dtype=torch.float32)
@@ -65,7 +65,7 @@ def extend_weight(
         return None
     if alpha is None:
         alpha = registry.get(fmt).tensor_alpha(weight)  # None without a tensor scale
-    return quantize(_compact(weight, mask, K_E), fmt, alpha=alpha, rounding=rounding, backend=backend)
+    return quantize(compact(weight, mask, K_E), fmt, alpha=alpha, rounding=rounding, backend=backend)
 
 
 def extended_activation(
@@ -86,7 +86,7 @@ def extended_activation(
     if K_E == 0:
         return base
     r = residue(x, base)
-    ext = quantize(_compact(r, mask, K_E), fmt, alpha=base.global_scale, rounding=rounding, backend=backend)
+    ext = quantize(compact(r, mask, K_E), fmt, alpha=base.global_scale, rounding=rounding, backend=backend)
     return FP4Tensor.cat([base, ext])
 
 
@@ -104,4 +104,4 @@ def full_residue(
     return base, res
 
 
-__all__ = ["ext_width", "extended_width", "residue", "extend_weight", "extended_activation", "full_residue"]
+__all__ = ["ext_width", "extended_width", "compact", "residue", "extend_weight", "extended_activation", "full_residue"]
