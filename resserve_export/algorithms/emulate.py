@@ -5,7 +5,7 @@ dequantized in FP32; activations are quantized per call with the static α_x (NV
 product is computed in FP32:
 
   plain   Y = X̂ Ŵᵀ
-  k_ext   Y = X̂ Ŵᵀ + R̂_S Ŵ_Sᵀ      (R̂_S: selected residues in the extension blocks, SPEC §5–§6)
+  k_ext   Y = X̂ Ŵᵀ + R̂_S Ŵ_Sᵀ      (R̂_S: selected residues in the extension blocks, docs/formats.md)
   full    Y = X̂ Ŵᵀ + R̂ Ŵᵀ         (every channel's residue, M-Ext)
 
 Scores, `verify` and the vLLM plugin's reference all use this module (no second implementation).
@@ -142,7 +142,8 @@ class EmulatedLinear(nn.Module):
     """Drop-in replacement for an ``nn.Linear`` that runs the emulated FP4 path.
 
     decode_rows: when set, inputs with at most this many rows use full compensation and larger
-    ones the layer's own mode (the serving rule of SPEC §10: decode full, prefill ratio).
+    ones the layer's own mode (the serving rule of docs/formats.md,
+    "Ratio planner": decode full, prefill ratio).
     """
 
     def __init__(

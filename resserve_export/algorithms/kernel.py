@@ -1,4 +1,5 @@
-"""The fused quantize-and-extend kernel (SPEC §11) and its PyTorch reference.
+"""The fused quantize-and-extend kernel and its PyTorch reference (docs/formats.md, "The fused
+quantize-and-extend kernel").
 
 `quantize_extend(x, mask, ratio, fmt, ...)` returns exactly what `kext.extended_activation`
 returns — ``[X̂ | R̂_S | 0]`` as one `FP4Tensor` — and `quantize_full` what `kext.full_residue`
@@ -34,7 +35,7 @@ from resserve_export.formats.qtensor import FP4Tensor
 BACKENDS = ("auto", "cuda", "reference")
 _ROUNDING_CODE = {ScaleRounding.CEIL: 0, ScaleRounding.FLOOR: 1, ScaleRounding.EVEN: 2}
 _SOURCES = ("quantize_extend.cu", "binding.cpp")
-# Compiler flags: no fast math, and no multiply fused into an add anywhere (SPEC §3 order).
+# Compiler flags: no fast math, and no multiply fused into an add anywhere (the order of docs/formats.md, "NVFP4").
 CUDA_FLAGS = ("-O3", "-std=c++17", "-fmad=false")
 # Rows each thread loads before computing (1, 2 or 4): more bytes in flight per thread.
 DEFAULT_ROWS = int(os.environ.get("RESSERVE_KERNEL_ROWS", "4"))

@@ -1,4 +1,5 @@
-"""Residues, the K-Ext extended weight and the extended activation (SPEC §5–§6).
+"""Residues, the K-Ext extended weight and the extended activation (docs/formats.md, "The extended
+weight (K-Ext)").
 
 `extended_activation` is the reference the fused CUDA kernel is checked against bit for bit.
 """

@@ -1,4 +1,4 @@
-"""Block-local channel selection and uint8 masks (SPEC §5).
+"""Block-local channel selection and uint8 masks (docs/formats.md, "Channel selection and masks").
 
 Channels are grouped in 8s; ratio ρ selects k = 8ρ channels in every group by salience
 (float32 ``mean_abs``), ties going to the lower channel index. Mask byte g has bit b set when
@@ -50,7 +50,7 @@ def mask_to_bool(mask: torch.Tensor) -> torch.Tensor:
 
 
 def mask_to_indices(mask: torch.Tensor) -> torch.Tensor:
-    """Selected channel indices in ascending order (the compaction order of SPEC §5)."""
+    """Selected channel indices in ascending order (the compaction order of docs/formats.md)."""
     return torch.nonzero(mask_to_bool(mask), as_tuple=False).reshape(-1)
 
 

@@ -1,4 +1,5 @@
-"""`resserve-export plan`: choose a prefill ratio per decision group under a bits budget (SPEC §10).
+"""`resserve-export plan`: choose a prefill ratio per decision group under a bits budget
+(docs/formats.md, "Ratio planner").
 
 Pure optimisation over the scores stored by `calibrate --scores kl|grad`; no model is loaded.
 """

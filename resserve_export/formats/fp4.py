@@ -1,4 +1,4 @@
-"""E2M1 (FP4) element encoding and nibble packing (SPEC §2).
+"""E2M1 (FP4) element encoding and nibble packing (docs/formats.md, "The FP4 element").
 
 Rounding is to nearest with ties to the even code; magnitudes above 6 saturate to 6; the sign
 bit is the input's sign, so a negative value that rounds to zero becomes -0 (code 8). Threshold

@@ -1,4 +1,4 @@
-"""MXFP4: 32-element blocks, E8M0 (power-of-two) scales, no tensor scale (SPEC §4).
+"""MXFP4: 32-element blocks, E8M0 (power-of-two) scales, no tensor scale (docs/formats.md, "MXFP4").
 
 The scale exponent rule is explicit (`ScaleRounding`) and recorded in checkpoints. All three
 rules are computed exactly from the FP32 bit pattern, never through ``log2``.

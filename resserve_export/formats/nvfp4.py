@@ -1,4 +1,4 @@
-"""NVFP4: 16-element blocks, E4M3 block scales, one FP32 tensor scale α (SPEC §3).
+"""NVFP4: 16-element blocks, E4M3 block scales, one FP32 tensor scale α (docs/formats.md, "NVFP4").
 
 Operation order is fixed so that CPU, GPU, the CUDA kernel and ModelOpt 0.47's
 ``NVFP4QTensor.quantize`` agree bit for bit:
@@ -29,7 +29,7 @@ def group_global_scale(weights: Iterable[torch.Tensor]) -> torch.Tensor:
     """The one α of a fused group (q/k/v, gate/up): `global_scale` of the max over members of amax(W).
 
     vLLM serves a fused group with a single ``weight_scale_2`` (the max of the members') and does
-    not requantize, so every member is quantized with this α (SPEC §3). `pack` writes it and
+    not requantize, so every member is quantized with this α (docs/formats.md). `pack` writes it and
     `verify` recomputes it from the model, so both go through this function. Members are consumed
     one at a time (an iterable, so a caller can read them lazily) and each amax comes from one
     ``aminmax`` pass, without an |W| temporary. Float32 0-d on the CPU.

@@ -1,7 +1,8 @@
 """Which linears are quantized, and which share an input (fused at serving time).
 
 q/k/v of one attention block and gate/up of one MLP read the same activation: they form one
-decision group with one ratio, one mask and (NVFP4) one input_scale / weight_scale_2 (SPEC §3, §5).
+decision group with one ratio, one mask and (NVFP4) one input_scale / weight_scale_2
+(docs/formats.md, "NVFP4" and "Channel selection and masks").
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Never quantized (SPEC §7): embeddings, lm_head, norms, routers.
+# Never quantized (docs/formats.md, "Checkpoint directory"): embeddings, lm_head, norms, routers.
 _SKIP = re.compile(r"(^|\.)(lm_head|embed_tokens|wte|wpe|embed_out|gate|router|shared_expert_gate|mlp\.gate|block_sparse_moe\.gate)$")
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 _EXPERTS = re.compile(r"\.experts\.")

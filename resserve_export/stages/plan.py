@@ -1,4 +1,4 @@
-"""Ratio plans (SPEC §10): from stored sensitivity scores to one residue ratio per decision group.
+"""Ratio plans (docs/formats.md, "Ratio planner"): from stored sensitivity scores to one residue ratio per decision group.
 
 Pure functions, no model: `read_scores` / `build_plan` / `write_plan` for the `plan` command,
 `load_plan` for `pack` (validates the contract and that the plan belongs to the model), and

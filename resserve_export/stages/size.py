@@ -1,10 +1,11 @@
-"""`size`: bytes of a packed checkpoint from ``config.json`` alone (SPEC §8).
+"""`size`: bytes of a packed checkpoint from ``config.json`` alone (docs/formats.md, the end of "The
+extended weight (K-Ext)").
 
 The tensor names and shapes a decoder (Llama, Mistral, Qwen2, Qwen3, and the mixtures of experts
 Qwen3-MoE and Mixtral, per-expert as their checkpoints name them) saves are derived
 from its config, then fed to the very layout function `pack` uses, so the safetensors files
 (headers included), their index files and ``hf_quant_config.json`` are counted exactly. Per
-quantized linear ``[N, K]`` this is SPEC §8's formula: NVFP4 ``N·K/2 + N·K/16 + 8`` (the 8 are
+quantized linear ``[N, K]`` this is the formula of docs/formats.md: NVFP4 ``N·K/2 + N·K/16 + 8`` (the 8 are
 weight_scale_2 and input_scale), MXFP4 ``N·K/2 + N·K/32``; extension the same over K_E (it
 shares the base scalars), plus ``K/8`` mask bytes. Tied embeddings are stored once.
 ``config.json``, tokenizer and other copied files are the caller's `other_bytes`.

@@ -2,7 +2,8 @@
 
 The checkpoint's plain part loads through vLLM's own loader for its format (ModelOpt NVFP4 or
 compressed-tensors MXFP4: same parameters, same weight loaders, fused q/k/v and gate/up shards);
-after loading, each quantized linear reads its sidecar entries (mask, K-Ext extension, SPEC §7),
+after loading, each quantized linear reads its sidecar entries (mask, K-Ext extension, docs/formats.md
+"Checkpoint directory"),
 dequantizes base and extension to FP32 once, and computes every call with
 :func:`resserve_export.emulate.quantized_matmul`, the reference that `verify` and the planner use:
 

@@ -1,4 +1,4 @@
-"""Sensitivity scores for the ratio planner (SPEC §10): s(l, ρ) = damage when only group l is
+"""Sensitivity scores for the ratio planner (docs/formats.md, "Ratio planner"): s(l, ρ) = damage when only group l is
 quantized (weights and activations FP4, calibrated α, residue compensation at ratio ρ on the
 channels `selection.select_mask(mean_abs, ρ)` picks) and the rest of the model is unquantized.
 

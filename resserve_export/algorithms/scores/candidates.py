@@ -63,7 +63,7 @@ from resserve_export.modeling.groups import Group
 class Candidates:
     """Emulated FP4 weights of one group's members for each candidate ratio.
 
-    Fused members share the group's weight α (max amax over the members, SPEC §3) and the input α
+    Fused members share the group's weight α (max amax over the members, docs/formats.md) and the input α
     from the calibrated amax. The base quantization is computed once per member and shared by
     every ratio (plain and full use it alone; partial ratios add their K-Ext extension), exactly
     as `QuantizedWeight` builds it (tests check the two bit for bit).
