@@ -13,10 +13,11 @@ import pytest
 import torch
 from fixtures.tiny import make_calibration, make_model
 
-from resserve_export.storage import safetensors
-from resserve_export.stages.pack import run as pack_module
+from resserve_export.storage import reader, safetensors
+from resserve_export.stages.pack import stream as stream_module
 from resserve_export.cli import main
-from resserve_export.stages.pack.run import DEPTH_ENV, pack
+from resserve_export.stages.pack.inputs import DEPTH_ENV, pipeline_depth
+from resserve_export.stages.pack.run import pack
 
 from test_pack_errors import fail_writes_after
 
@@ -49,23 +50,23 @@ def test_pipelined_bytes_equal_serial(sharded, tmp_path, monkeypatch, fmt, ratio
     # A deep queue, reads in odd-sized chunks by several threads, two slabs in all, the larger
     # groups read member by member, and copies through memory instead of the kernel.
     monkeypatch.setenv(DEPTH_ENV, "5")
-    monkeypatch.setattr(pack_module, "_READ_CHUNK", 1000)
-    monkeypatch.setattr(pack_module, "_READERS", 3)
-    monkeypatch.setattr(pack_module, "_READ_AHEAD_BYTES", 1)
-    monkeypatch.setattr(pack_module, "_GROUP_CACHE_BYTES", 20_000)
-    monkeypatch.setattr(pack_module, "_COPY_CHUNK", 1000)
+    monkeypatch.setattr(reader, "READ_CHUNK", 1000)
+    monkeypatch.setattr(stream_module, "READERS", 3)
+    monkeypatch.setattr(stream_module, "READ_AHEAD_BYTES", 1)
+    monkeypatch.setattr(stream_module, "GROUP_CACHE_BYTES", 20_000)
+    monkeypatch.setattr(stream_module, "COPY_CHUNK", 1000)
 
     def no_kernel_copy(*a):
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
     monkeypatch.setattr(os, "copy_file_range", no_kernel_copy, raising=False)
-    real_group = pack_module._pack_group
+    real_group = stream_module.pack_group
 
     def slow_group(*a, **k):
         time.sleep(0.01)  # the readers run ahead: a slab handed back too early would be overwritten
         return real_group(*a, **k)
 
-    monkeypatch.setattr(pack_module, "_pack_group", slow_group)
+    monkeypatch.setattr(stream_module, "pack_group", slow_group)
     piped = pack(model, calib, tmp_path / "piped", fmt, **kw).out
     assert files(piped) == files(serial)
     assert pipeline_threads() == []
@@ -74,7 +75,7 @@ def test_pipelined_bytes_equal_serial(sharded, tmp_path, monkeypatch, fmt, ratio
 def test_default_depth_pipelines_and_matches_serial(sharded, tmp_path, monkeypatch):
     model, calib = sharded
     monkeypatch.delenv(DEPTH_ENV, raising=False)
-    assert pack_module.pipeline_depth() >= 2
+    assert pipeline_depth() >= 2
     seen = set()
     real = safetensors.ShardedWriter.write
 
@@ -152,8 +153,8 @@ def test_cuda_pipeline_with_a_deep_queue_writes_the_cpu_serial_bytes(sharded, tm
     monkeypatch.setenv(DEPTH_ENV, "0")
     serial = pack(model, calib, tmp_path / "serial", "nvfp4", device="cpu", **kw).out
     monkeypatch.setenv(DEPTH_ENV, "5")
-    monkeypatch.setattr(pack_module, "_READ_CHUNK", 1000)
-    monkeypatch.setattr(pack_module, "_READ_AHEAD_BYTES", 1)
+    monkeypatch.setattr(reader, "READ_CHUNK", 1000)
+    monkeypatch.setattr(stream_module, "READ_AHEAD_BYTES", 1)
     piped = pack(model, calib, tmp_path / "piped", "nvfp4", device="cuda", **kw).out
     assert files(piped) == files(serial)
     assert pipeline_threads() == []

@@ -1,0 +1,270 @@
+"""The inputs of `pack`, read and checked before any work: the calibration (made from these
+exact weights, statistics usable as scales), the format, ratio and plan arguments (a plan made
+for this format and scale rounding), the KV-cache scales, the device and the pipeline depth.
+
+`size` computes its byte counts from the same `check_format_arg` and `load_ratios`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from resserve_export.algorithms.awq.smoothing import Smoothing
+from resserve_export.core.errors import UserError
+from resserve_export.formats import kv as kv_format
+from resserve_export.formats import registry
+from resserve_export.formats.constants import RATIOS
+from resserve_export.formats.mxfp4 import ScaleRounding
+from resserve_export.modeling import attention as attention_layers
+from resserve_export.modeling import modelio
+from resserve_export.modeling.experts import ExpertBlock, expert_blocks
+from resserve_export.modeling.groups import Group
+from resserve_export.stages.layout import model_groups, recorded_groups
+from resserve_export.stages.plan import load_plan, module_ratios
+from resserve_export.storage import kv_stats as kv_file
+from resserve_export.storage.safetensors import SafetensorsFiles, parse_size
+
+# The read / quantize / write pipeline of `stream.stream`: groups read ahead and quantized groups
+# queued for the writer (0 or 1: one stage after another on one thread).
+DEPTH_ENV = "RESSERVE_PACK_DEPTH"
+_DEPTH = 2
+
+
+def read_calibration(calib: Path, model_fingerprint: str, allow_other_weights: bool = False) -> dict:
+    """calibration.json of `calib`, made from these exact weights (content fingerprint) unless
+    `allow_other_weights`."""
+    calib = Path(calib)
+    meta_path, sal_path = calib / "calibration.json", calib / "salience.safetensors"
+    if not meta_path.exists() or not sal_path.exists():
+        raise UserError(f"{calib} is not a calibration directory (needs calibration.json and salience.safetensors): run `resserve-export calibrate` first")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except ValueError:
+        raise UserError(f"{meta_path} is not valid JSON: re-run calibrate") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"{meta_path} does not hold a calibration record: re-run calibrate")
+    if not allow_other_weights:
+        modelio.check_fingerprint(meta, model_fingerprint, f"calibration in {calib}")
+    return meta
+
+
+def load_calibration(
+    calib: Path, model_fingerprint: str, groups: list[Group], allow_other_weights: bool = False
+) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """(calibration.json, {module: (mean_abs, amax)}) checked against the model.
+
+    Every amax must be finite and positive (it becomes a scale).
+    """
+    calib = Path(calib)
+    meta = read_calibration(calib, model_fingerprint, allow_other_weights)
+    sal = SafetensorsFiles([calib / "salience.safetensors"])
+    missing = [m for g in groups for m in g.modules if f"{m}.mean_abs" not in sal or f"{m}.amax" not in sal]
+    if missing:
+        more = f" and {len(missing) - 2} more" if len(missing) > 2 else ""
+        raise UserError(f"calibration in {calib} has no statistics for {', '.join(missing[:2])}{more}: re-run calibrate on this model")
+    stats = {}
+    for g in groups:
+        for m in g.modules:
+            mean_abs, amax = sal.get(f"{m}.mean_abs").float(), sal.get(f"{m}.amax").float().reshape(())
+            if mean_abs.shape != (g.in_features,):
+                raise UserError(f"calibration {m}.mean_abs has shape {tuple(mean_abs.shape)}, expected ({g.in_features},): re-run calibrate")
+            if not bool(torch.isfinite(amax)) or float(amax) <= 0 or not bool(torch.isfinite(mean_abs).all()):
+                raise UserError(
+                    f"calibration in {calib} has amax {float(amax)} for {m}: an input scale must be finite and positive; "
+                    "re-run calibrate (with --dtype float32 if the model overflows)"
+                )
+            stats[m] = (mean_abs, amax)
+    return meta, stats
+
+
+def check_format_arg(fmt: str) -> registry.Format:
+    """The format named `fmt`, or a `UserError` listing the choices."""
+    try:
+        return registry.get(fmt)
+    except ValueError:
+        raise UserError(f"unknown format {fmt!r}: choose one of {', '.join(registry.FORMATS)}") from None
+
+
+def check_ratio_arg(ratio: float) -> float:
+    if float(ratio) not in RATIOS:
+        raise UserError(f"ratio {ratio} is not allowed: choose one of {', '.join(str(r) for r in RATIOS)}")
+    return float(ratio)
+
+
+def load_ratios(
+    groups: list[Group],
+    ratio: float | None,
+    plan: Path | None,
+    model_fingerprint: str | None,
+    fmt: str | None = None,
+    rounding: str | None = None,
+    allow_other_weights: bool = False,
+) -> tuple[dict[str, float], dict | None]:
+    """({group name: ρ}, plan provenance or None) from ``--ratio`` or ``--plan``.
+
+    A plan must come from scores of this model's weights (unless `allow_other_weights`) and of
+    the format (and MXFP4 scale rounding) being packed.
+    """
+    if (ratio is None) == (plan is None):
+        raise UserError("pass exactly one of --ratio R or --plan plan.json")
+    if plan is None:
+        r = check_ratio_arg(ratio)
+        return {g.name: r for g in groups}, None
+    fp = None if allow_other_weights else model_fingerprint
+    data = load_plan(Path(plan), fingerprint=fp, modules=[m for g in groups for m in g.modules])
+    if fmt is not None:
+        check_plan_format(data, Path(plan), fmt, rounding)
+    per_module = module_ratios(data)
+    out = {}
+    for g in groups:
+        rs = {per_module[m] for m in g.modules}
+        if len(rs) > 1:
+            raise UserError(f"plan {plan} gives fused members {', '.join(g.modules)} different ratios: they share one input, plan again")
+        out[g.name] = rs.pop()
+    prov = {k: data.get(k) for k in ("budget", "achieved_bits", "satisfied", "method") if k in data}
+    return out, prov
+
+
+def _check_recorded_format(what: str, recorded: str | None, recorded_rounding: str | None, fmt: str, rounding: str | None, redo: str) -> None:
+    """Refuse what was computed for one format (`what`: a sentence with ``{fmt}``, e.g. a plan's
+    scores or AWQ scales) when --format / --mx-scale differ."""
+    if recorded != fmt:
+        raise UserError(f"{what.format(fmt=recorded)} but --format is {fmt}: pack with --format {recorded}, or calibrate with --format {fmt}{redo}")
+    if registry.get(fmt).has_rounding and recorded_rounding != rounding:
+        raise UserError(
+            f"{what.format(fmt=fmt.upper())} with scale rounding {recorded_rounding} but --mx-scale is {rounding}: "
+            f"pack with --mx-scale {recorded_rounding}, or calibrate with --mx-scale {rounding}{redo}"
+        )
+
+
+def check_plan_format(plan: dict, path: Path, fmt: str, rounding: str | None) -> None:
+    """Refuse a plan whose scores were computed for another format or MXFP4 scale rounding."""
+    if plan.get("format") is None:
+        raise UserError(f"plan {path} does not record the format its scores were computed for: re-run `resserve-export plan`")
+    _check_recorded_format(f"plan {path} was made from {{fmt}} scores", plan["format"], plan.get("mx_scale_rounding"), fmt, rounding, " and plan again")
+
+
+def check_awq_format(record: dict, calib: Path, fmt: str, rounding: str) -> None:
+    """Refuse to pack AWQ scales searched for another format (or MXFP4 scale rounding): the
+    search scored them under that format's arithmetic."""
+    _check_recorded_format(f"the AWQ scales in {calib} were searched for {{fmt}}", record.get("format"), record.get("mx_scale_rounding"), fmt, rounding, "")
+
+
+def pick_device(device: str) -> torch.device:
+    """The quantization device for ``--device`` (checked by `modelio.parse_device`, as every command
+    does): ``auto`` is the first CUDA GPU when there is one, else the CPU."""
+    d = modelio.parse_device(device)
+    if d == "auto":
+        d = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(d)
+
+
+def kv_tensors(calib: Path, shapes, f: registry.Format, kv_cache: str) -> dict[str, torch.Tensor]:
+    """{name: stored scale} of the KV-cache scales (empty for ``none``): amax / 448 of the
+    calibration's per-layer key and value amax (see `formats.kv`)."""
+    if kv_cache == "none":
+        return {}
+    attention = attention_layers.attention_modules(shapes)
+    amax = kv_file.load(calib, attention)
+    shape = kv_format.scale_shape(f.kv_style)
+    out = {}
+    for a in attention:
+        for name, x in zip(kv_format.scale_names(a, f.kv_style), amax[a]):
+            out[name] = kv_format.scale_from_amax(x).reshape(shape).contiguous()
+    return out
+
+
+def pipeline_depth() -> int:
+    """The pack pipeline's depth: ``RESSERVE_PACK_DEPTH``, else `_DEPTH`."""
+    raw = os.environ.get(DEPTH_ENV, "").strip()
+    if not raw:
+        return _DEPTH
+    try:
+        depth = int(raw)
+    except ValueError:
+        depth = -1
+    if depth < 0:
+        raise UserError(f"{DEPTH_ENV}={raw!r} is not a whole number ≥ 0: unset it, or set 0 to read, quantize and write one after another")
+    return depth
+
+
+@dataclass
+class PackArgs:
+    """`pack`'s arguments that need no file, checked before any work."""
+
+    format: registry.Format
+    rounding: ScaleRounding
+    max_bytes: int  # --max-shard-size
+    device: torch.device
+    depth: int  # `pipeline_depth`
+
+
+def check_args(fmt: str, kv_cache: str, mx_scale: str, ratio: float | None, max_shard_size: str | int, device: str) -> PackArgs:
+    """The checked format, KV-cache format, scale rounding, ratio, shard size, device and pipeline
+    depth (a one-line `UserError` for the first bad one)."""
+    f = check_format_arg(fmt)
+    kv_format.check_for_format(kv_cache, f)  # before any work; build_layout relies on it too
+    try:
+        rounding = ScaleRounding(mx_scale)
+    except ValueError:
+        raise UserError(f"unknown --mx-scale {mx_scale!r}: choose one of {', '.join(r.value for r in ScaleRounding)}") from None
+    if ratio is not None:
+        check_ratio_arg(ratio)
+    return PackArgs(f, rounding, parse_size(max_shard_size), pick_device(device), pipeline_depth())
+
+
+@dataclass
+class PackInputs:
+    """The model to pack and what its calibration and ratio or plan say of it, checked against
+    each other."""
+
+    model_dir: Path
+    source: SafetensorsFiles
+    config: dict  # config.json
+    shapes: dict[str, tuple[str, tuple[int, ...]]]
+    blocks: list[ExpertBlock]  # mixture-of-experts blocks (refused when they cannot be packed)
+    fingerprint: str
+    groups: list[Group]
+    calibration: dict  # calibration.json
+    stats: dict[str, tuple[torch.Tensor, torch.Tensor]]  # {module: (mean_abs, amax)}
+    smoothing: Smoothing | None
+    ratios: dict[str, float]  # {group name: ρ}
+    plan: dict | None  # the plan's provenance
+
+
+def read_inputs(
+    model, calib: Path, fmt: str, rounding: str, ratio: float | None, plan: Path | None, allow_other_weights: bool
+) -> PackInputs:
+    """The bf16 / fp16 model `model` (a directory or a hub name), its calibration `calib` and the
+    ratios of ``--ratio`` or ``--plan``, or a one-line `UserError`."""
+    model_dir = modelio.resolve_model(model)
+    modelio.check_architecture(model_dir, "pack")
+    source = SafetensorsFiles(modelio.weight_files(model_dir))
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if cfg.get("quantization_config"):
+        raise UserError(f"{model_dir} is already quantized ({cfg['quantization_config'].get('quant_method')}): pack needs a bf16/fp16 model")
+    shapes = source.shapes()
+    blocks = expert_blocks(shapes, "packed")
+    fingerprint = modelio.fingerprint(model_dir)
+    # The quantized linears and their fused groups are the ones calibrate found on the loaded
+    # model (one rule), not re-derived from the headers.
+    recorded = read_calibration(calib, fingerprint, allow_other_weights).get("groups")
+    groups = recorded_groups(recorded, shapes) if recorded else model_groups(shapes)
+    calib_meta, stats = load_calibration(calib, fingerprint, groups, allow_other_weights)
+    smoothing = Smoothing.from_calibration(calib, calib_meta, shapes)
+    if smoothing is not None:
+        check_awq_format(calib_meta["weight_algo"], calib, fmt, rounding)
+    ratios, plan_prov = load_ratios(groups, ratio, plan, fingerprint, fmt, rounding, allow_other_weights)
+    return PackInputs(model_dir, source, cfg, shapes, blocks, fingerprint, groups, calib_meta, stats, smoothing, ratios, plan_prov)
+
+
+__all__ = [
+    "DEPTH_ENV", "read_calibration", "load_calibration", "check_format_arg", "check_ratio_arg", "load_ratios",
+    "check_plan_format", "check_awq_format", "pick_device", "kv_tensors", "pipeline_depth", "PackArgs", "check_args",
+    "PackInputs", "read_inputs",
+]
