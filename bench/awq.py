@@ -65,7 +65,7 @@ def modelopt(args) -> None:
 
     from resserve_export.modeling import data
     from resserve_export.stages.calibrate.run import make_config
-    from resserve_export.stages.verify.run import _forward_nll
+    from resserve_export.stages.verify.perplexity import forward_nll
 
     dev = torch.device("cuda")
     cfg = make_config(args.config, device="cuda", scores="none")
@@ -104,7 +104,7 @@ def modelopt(args) -> None:
         mtq.quantize(net, qcfg, forward_loop=loop)
         torch.cuda.synchronize()
         t = time.perf_counter() - t0
-        mo[name] = (t, _forward_nll(net, eval_batches, dev))
+        mo[name] = (t, forward_nll(net, eval_batches, dev))
         del net
         torch.cuda.empty_cache()
 

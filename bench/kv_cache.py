@@ -25,7 +25,8 @@ from resserve_export.modeling import data
 from resserve_export.observers import kv as kvcache
 from resserve_export.modeling import modelio
 from resserve_export.storage.checkpoint import Checkpoint
-from resserve_export.stages.verify.run import DEFAULT_TEXT, _forward_nll, emulated
+from resserve_export.stages.verify.perplexity import emulated, forward_nll
+from resserve_export.stages.verify.run import DEFAULT_TEXT
 
 
 class CountingQuantizer(kvcache.KVQuantizer):
@@ -82,7 +83,7 @@ def fp8_margin(ckpt: Path, ratio: float, args) -> list[tuple]:
         scales = {a: (k * mult, v * mult) for a, (k, v) in ck.kv_scales().items()}
         with emulated(net, ck, "checkpoint", packed, {}):
             q = CountingQuantizer(net, scales, "fp8", emulate=True)
-            ppl = _forward_nll(net, batches, torch.device("cpu"), kv=q)
+            ppl = forward_nll(net, batches, torch.device("cpu"), kv=q)
         out.append((ratio, mult, q.saturated, ppl))
     return out
 

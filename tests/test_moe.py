@@ -532,7 +532,7 @@ def test_verify_emulates_experts_and_unfusing_keeps_the_model(moe):
     from resserve_export.storage.checkpoint import Checkpoint
     from resserve_export.algorithms.emulate import EmulatedLinear
     from resserve_export.modeling.experts import unfused
-    from resserve_export.stages.verify.run import emulated
+    from resserve_export.stages.verify.perplexity import emulated
 
     model = moe["models"]["mixtral"]
     ck_dir = pack(model, _calibrated(moe, "mixtral"), moe["root"] / "ck-mixtral-verify", "nvfp4", ratio=0.25, progress=False).out
@@ -578,7 +578,7 @@ def test_verify_names_a_wrong_expert(moe, tmp_path):
     # and the bit-for-bit check names the expert
     from resserve_export.storage.checkpoint import Checkpoint
     from resserve_export.modeling.experts import unfused
-    from resserve_export.stages.verify.run import linear_weights, weight_mismatches
+    from resserve_export.stages.verify.checks import linear_weights, weight_mismatches
 
     net = modelio.load_model(other)
     with unfused(net, expert_blocks(modelio.tensor_shapes(other))):

@@ -11,7 +11,9 @@ from fixtures.tiny import make_calibration, make_model
 
 from resserve_export.algorithms import kernel
 from resserve_export.modeling import modelio
-from resserve_export.stages.verify import run as verify
+from resserve_export.stages.verify.measure import evaluate
+from resserve_export.stages.verify.nmse import group_nmse
+from resserve_export.stages.verify.report import write_chart
 from resserve_export.observers import capture
 from resserve_export.storage.checkpoint import Checkpoint, PackedLinear
 from resserve_export.cli import main
@@ -50,7 +52,7 @@ def test_synthetic_direction_and_agreement_with_emulate(fmt):
     w = (torch.randn(N, K, generator=gen) * 0.05).to(torch.bfloat16)
     mean_abs = calib.float().abs().mean(0)
     pk = packed_linear(w, fmt, 0.25, mean_abs, calib.float().abs().amax())
-    accs = verify.group_nmse(x, {"lin": w}, {"lin": pk}, fmt, "ceil", mean_abs, chunk=200)["lin"]
+    accs = group_nmse(x, {"lin": w}, {"lin": pk}, fmt, "ceil", mean_abs, chunk=200)["lin"]
     nmse = {k: a.nmse for k, a in accs.items()}
     chain = [nmse["plain"], nmse[0.125], nmse[0.25], nmse[0.5], nmse["full"]]
     assert all(a > b for a, b in zip(chain, chain[1:])), chain
@@ -88,7 +90,7 @@ def test_evaluate_on_a_tiny_packed_model(tiny_ckpt):
     from resserve_export.storage.calibration import load_stats
 
     sal = {m: v["mean_abs"] for m, v in load_stats(calib).items()}
-    rep = verify.evaluate(net, ck, batches, sal, device=torch.device("cpu"), max_tokens=1000)
+    rep = evaluate(net, ck, batches, sal, device=torch.device("cpu"), max_tokens=1000)
     assert rep["weights_match_reference"] is True
     assert len(rep["layers"]) == len(ck.modules) == 2 * 7
     assert all(r["tokens"] == 24 + 20 for r in rep["layers"])
@@ -101,7 +103,7 @@ def test_evaluate_on_a_tiny_packed_model(tiny_ckpt):
     assert all(torch.isfinite(torch.tensor(v)) and v > 1 for v in ppl.values())
     assert ppl["bf16"] != ppl["plain"]
     out = ck_dir.parent / "chart.png"
-    verify.write_chart(rep, out)
+    write_chart(rep, out)
     assert out.stat().st_size > 1000
 
 
@@ -156,7 +158,7 @@ def test_smollm2_direction_on_real_inputs():
             ma = stats[g.modules[0]]["mean_abs"]
             weights = {m: mods[m].weight.detach() for m in g.modules}
             packed = {m: packed_linear(weights[m], fmt, 0.25, ma, stats[m]["amax"]) for m in g.modules}
-            for m, accs in verify.group_nmse(cap.inputs(g.modules), weights, packed, fmt, "ceil", ma).items():
+            for m, accs in group_nmse(cap.inputs(g.modules), weights, packed, fmt, "ceil", ma).items():
                 for k, a in accs.items():
                     e = err.setdefault(k, [0.0, 0.0])
                     e[0], e[1] = e[0] + a.err, e[1] + a.ref
@@ -177,7 +179,7 @@ def test_gpu_run_uses_the_kernel_and_agrees_with_cpu(tiny_ckpt):
     batches = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
     sal = {m: v["mean_abs"] for m, v in load_stats(calib).items()}
     net = modelio.load_model(model_dir).to("cuda")
-    rep = verify.evaluate(net, ck, batches, sal, device=torch.device("cuda"), check_weights=False)
+    rep = evaluate(net, ck, batches, sal, device=torch.device("cuda"), check_weights=False)
     assert rep["activation_quantization"].startswith("fused CUDA kernel")
     assert 0 < rep["nmse"]["pooled"]["full"] < rep["nmse"]["pooled"]["plain"]
     # Same inputs on both devices: the kernel quantizes bit-exactly like the CPU reference, only
@@ -188,6 +190,6 @@ def test_gpu_run_uses_the_kernel_and_agrees_with_cpu(tiny_ckpt):
     ma = x.float().abs().mean(0)
     for fmt in ("nvfp4", "mxfp4"):
         pk = packed_linear(w, fmt, 0.25, ma, x.float().abs().amax())
-        got = {d: verify.group_nmse(x.to(d), {"lin": w}, {"lin": pk}, fmt, "ceil", ma)["lin"] for d in ("cpu", "cuda")}
+        got = {d: group_nmse(x.to(d), {"lin": w}, {"lin": pk}, fmt, "ceil", ma)["lin"] for d in ("cpu", "cuda")}
         for k, a in got["cpu"].items():
             assert got["cuda"][k].nmse == pytest.approx(a.nmse, rel=1e-5), (fmt, k)

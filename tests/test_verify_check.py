@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from test_calibrate import make_llama, varied_texts, write_jsonl
 
 from resserve_export.modeling import modelio
+from resserve_export.stages.verify import checks
 from resserve_export.stages.verify import run as verify
 from resserve_export.storage.checkpoint import Checkpoint
 from resserve_export.core.errors import CheckpointMismatch, UserError
@@ -168,10 +169,10 @@ def test_calibration_derived_tensors_are_checked_with_calib(bf16, tmp_path):
     def edit_scale(t):
         t[f"{DOWN}.input_scale"] = t[f"{DOWN}.input_scale"] * 2
 
-    weights = verify.linear_weights(modelio.load_model(model), Checkpoint(ck))
+    weights = checks.linear_weights(modelio.load_model(model), Checkpoint(ck))
     for i, (prefix, edit, name) in enumerate([("resserve", edit_side, "resserve_mask"), ("model", edit_scale, "input_scale")]):
         bad = edit_shards(ck, tmp_path / f"ck{i}", prefix, edit)
-        assert verify.weight_mismatches(Checkpoint(bad), weights) == []  # the weights alone agree
+        assert checks.weight_mismatches(Checkpoint(bad), weights) == []  # the weights alone agree
         with pytest.raises(CheckpointMismatch, match=rf"\(first: {DOWN}: {name}\) with the given --calib.*pass the --calib it was packed with"):
             verify.verify(bad, str(model), calib=calib, out=tmp_path / "v", device="cpu")
         assert not (tmp_path / "v").exists()
@@ -180,10 +181,10 @@ def test_calibration_derived_tensors_are_checked_with_calib(bf16, tmp_path):
 def test_weight_mismatches_lists_every_differing_linear(bf16):
     model, calib, ck_dir = bf16
     ck = Checkpoint(ck_dir)
-    weights = verify.linear_weights(modelio.load_model(model), ck)
-    assert verify.weight_mismatches(ck, weights) == []
+    weights = checks.linear_weights(modelio.load_model(model), ck)
+    assert checks.weight_mismatches(ck, weights) == []
     weights = {m: w * 1.5 if ".0." in m else w for m, w in weights.items()}
-    bad = verify.weight_mismatches(ck, weights)
+    bad = checks.weight_mismatches(ck, weights)
     assert [m for m, _ in bad] == [m for m in ck.modules if ".0." in m]
     assert {n for _, n in bad} == {"weight_scale_2"}
 

@@ -6,6 +6,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.table import Table
+
+from resserve_export import api
+from resserve_export.core.ui import console, phases
 
 
 def command(
@@ -32,11 +36,6 @@ def command(
     --no-check-weights). Exit codes: 0 checked and written; 2 usage or input error; 3 the
     checkpoint does not match --model (or --calib), nothing written; 130 interrupted.
     """
-    from rich.table import Table
-
-    from resserve_export import api
-    from resserve_export.core.ui import console, phases
-
     with phases() as tick:
         rep = api.verify(
             ckpt, model, text=text, samples=samples, seq_len=seq_len, calib=calib, device=device,
