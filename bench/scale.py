@@ -121,7 +121,7 @@ def main() -> None:
     # Sequential.
     spill = root / "spill"
     t = time.perf_counter()
-    seq, _, _, _, _ = sequential.collect_sequential(model_dir, args.device, "bfloat16", batches, groups, spill)
+    seq = sequential.collect_sequential(model_dir, args.device, "bfloat16", batches, groups, spill).stats
     shutil.rmtree(spill, ignore_errors=True)
     sync(args.device)
     t_seq = time.perf_counter() - t
@@ -143,7 +143,7 @@ def main() -> None:
 
         points.save = save
         t = time.perf_counter()
-        again, _, _, _, _ = sequential.collect_sequential(model_dir, args.device, "bfloat16", batches, groups, spill, resume=points)
+        again = sequential.collect_sequential(model_dir, args.device, "bfloat16", batches, groups, spill, resume=points).stats
         sync(args.device)
         t_resume = time.perf_counter() - t
         points.finish()

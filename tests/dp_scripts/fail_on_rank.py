@@ -27,5 +27,5 @@ if os.environ.get("RANK") == rank:
 
         sequential.collect_sequential = failing_sequential
     else:
-        sequential._grad_scores_backward = broken
+        sequential.grad_scores_backward = broken
 main(sys.argv[3:])

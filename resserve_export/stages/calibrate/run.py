@@ -403,10 +403,11 @@ def _collect_sequential(model_dir, out, config, batches, show_progress, on_batch
                 bar.start_at(n)
                 done[0] = n
 
-            stats, num_tokens, kv_stats, kv_problem, scores = collect_sequential(
+            r = collect_sequential(
                 model_dir, config.device, config.dtype, batches, groups, spill, progress=step, scores=spec,
                 resume=points, on_resume=resumed,
             )
+            stats, num_tokens, kv_stats, kv_problem, scores = r.stats, r.num_tokens, r.kv_stats, r.kv_problem, r.scores
     except UserError:
         points.finish()  # the same inputs would fail the same way
         raise
@@ -467,10 +468,11 @@ def _collect_ranks_sequential(ranks, model_dir, out, config, batches, show_progr
                 if bi == n - 1:
                     bar.advance(1)
 
-            stats, num_tokens, kv_stats, kv_problem, local = collect_sequential(
+            r = collect_sequential(
                 model_dir, config.device, config.dtype, mine, groups, spill, progress=step, scores=spec,
                 score_batches=score_mine, combine=combine, score_log=log,
             )
+            stats, num_tokens, kv_stats, kv_problem, local = r.stats, r.num_tokens, r.kv_stats, r.kv_problem, r.scores
     except BaseException as e:
         if stage[0] != 1:
             ranks.agree(e)  # raises: this rank's error here, a one-line one on the others
