@@ -64,7 +64,7 @@ def modelopt(args) -> None:
     import modelopt.torch.quantization as mtq
 
     from resserve_export.modeling import data
-    from resserve_export.stages.calibrate.run import make_config
+    from resserve_export.stages.calibrate.config import make_config
     from resserve_export.stages.verify.perplexity import forward_nll
 
     dev = torch.device("cuda")

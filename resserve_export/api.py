@@ -33,6 +33,7 @@ from resserve_export.core.outputs import check_writable
 from resserve_export.planners import SOLVERS
 from resserve_export.stages import plan as P
 from resserve_export.stages.calibrate import run as cal
+from resserve_export.stages.calibrate.config import make_config
 from resserve_export.stages.calibrate.run import CalibrationResult
 from resserve_export.stages.pack import run as _pack_module
 from resserve_export.stages.pack.run import PackResult
@@ -158,7 +159,7 @@ def calibrate(
     """Salience, amax and (by default grad) planner scores of `model` into the directory `out`.
 
     `config`: a preset name (``paper``, ``quick``) or YAML file; `settings` override it (any
-    field of `calibrate.CalibConfig`: ``dataset``, ``num_samples``, ``seq_len``, ``batch_size``,
+    field of `stages.calibrate.config.CalibConfig`: ``dataset``, ``num_samples``, ``seq_len``, ``batch_size``,
     ``seed``, ``device``, ``dtype``, ``scores``, ``score_samples``, ``score_precision``,
     ``format``, ``mx_scale``, ``weight_algo`` (``rtn`` or ``awq``), ``awq_tokens``, ``pipeline``
     (``auto``, ``whole`` or ``sequential``), ``moe_calib`` (``all`` or ``routed``: the tokens a
@@ -167,7 +168,7 @@ def calibrate(
     """
 
     with restoring_process_state():
-        cfg = cal.make_config(config, **settings)
+        cfg = make_config(config, **settings)
         return cal.calibrate(model, Path(out), cfg, overwrite=overwrite, show_progress=progress, resume=resume)
 
 

@@ -31,6 +31,8 @@ from resserve_export.formats import ops as formats
 from resserve_export.modeling import modelio
 from resserve_export.formats import nvfp4
 from resserve_export.stages.calibrate import run as cal
+from resserve_export.stages.calibrate.config import make_config
+from resserve_export.stages.calibrate.linears import model_groups_of
 from resserve_export.storage.checkpoint import Checkpoint, read_checkpoint
 from resserve_export.core.errors import CheckpointMismatch
 from resserve_export.modeling.experts import checkpoint_parameters, expert_blocks, fused_modules
@@ -49,7 +51,7 @@ AWQ_TOKENS = 128
 
 def _awq_config(moe, fmt: str = "nvfp4", mode: str = "all"):
     """test_moe's calibration settings (the same samples), with AWQ."""
-    return cal.make_config(
+    return make_config(
         "quick", dataset=str(moe["texts"]), num_samples=7, seq_len=48, batch_size=3, device="cpu", scores="none", moe_calib=mode,
         weight_algo="awq", awq_tokens=AWQ_TOKENS, format=fmt,
     )
@@ -356,7 +358,7 @@ def test_an_expert_no_search_token_reached_stays_unscaled(moe):
     tok = modelio.load_tokenizer(path)
     batches = data.batches(data.make_samples(tok, data.load_documents(cfg.dataset), cfg.num_samples, cfg.seq_len, cfg.seed),
                            cfg.batch_size, data.pad_id(tok))
-    groups = cal.model_groups_of(net, path, blocks)
+    groups = model_groups_of(net, path, blocks)
     smoothing, rec = pipeline.search_smoothing(net, batches, groups, "nvfp4", "ceil", 3, blocks=blocks, shapes=shapes)
     b = blocks[0]
     for e in range(b.num_experts):

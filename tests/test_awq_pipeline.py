@@ -25,6 +25,9 @@ from resserve_export.modeling import data
 from resserve_export.formats import ops as formats
 from resserve_export.modeling import modelio
 from resserve_export.stages.calibrate import run as cal
+from resserve_export.stages.calibrate.config import make_config
+from resserve_export.stages.calibrate.linears import model_groups_of
+from resserve_export.modeling.groups import group_linears
 from resserve_export.storage.checkpoint import Checkpoint, read_checkpoint
 from resserve_export.core.errors import CheckpointMismatch, UserError
 from resserve_export.stages.pack.run import pack
@@ -66,7 +69,7 @@ def setup(tmp_path_factory):
     calibs = {}
     for arch, m in models.items():
         for algo in ("rtn", "awq"):
-            cfg = cal.make_config(
+            cfg = make_config(
                 "quick", dataset=str(texts), num_samples=6, seq_len=48, batch_size=3, device="cpu", scores="none",
                 weight_algo=algo, awq_tokens=128,
             )
@@ -143,7 +146,7 @@ def test_calibration_records_the_search_and_describes_smoothed_activations(setup
 
 def test_awq_calibration_is_deterministic(setup, tmp_path):
     root, models, calibs, texts = setup
-    cfg = cal.make_config(
+    cfg = make_config(
         "quick", dataset=str(texts), num_samples=6, seq_len=48, batch_size=3, device="cpu", scores="none", weight_algo="awq", awq_tokens=128
     )
     again = cal.calibrate(str(models["llama"]), tmp_path / "again", cfg, show_progress=False).path
@@ -228,7 +231,7 @@ def test_pack_mxfp4_decodes_with_compressed_tensors(setup, tmp_path):
     with pytest.raises(UserError, match="searched for nvfp4 but --format is mxfp4"):
         pack(models["qwen2_mha"], calibs["qwen2_mha", "awq"], tmp_path / "refused", "mxfp4", ratio=0.25, progress=False)
     assert not (tmp_path / "refused").exists()
-    cfg = cal.make_config(
+    cfg = make_config(
         "quick", dataset=str(texts), num_samples=6, seq_len=48, batch_size=3, device="cpu", scores="none",
         weight_algo="awq", awq_tokens=128, format="mxfp4", mx_scale="even",
     )
@@ -276,7 +279,7 @@ def test_a_damaged_awq_calibration_is_refused(setup, tmp_path):
 
 def test_unknown_weight_algo_is_one_line():
     with pytest.raises(UserError, match="unknown --weight-algo 'gptq': choose one of rtn, awq"):
-        cal.make_config("quick", weight_algo="gptq")
+        make_config("quick", weight_algo="gptq")
 
 
 # ----------------------------------------------------------------------------- verify
@@ -333,7 +336,7 @@ def test_search_rows_are_valid_tokens_only(setup):
     batches = data.batches(samples, 3, data.pad_id(tok))
     assert any(not bool(b["attention_mask"].all()) for b in batches)  # there is padding
     model = modelio.load_model(models["llama"], "bfloat16")
-    groups = cal.group_linears({n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    groups = group_linears({n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
     valid = sum(int(b["attention_mask"].sum()) for b in batches)
     _, rec = pipeline.search_smoothing(model, batches, groups, "nvfp4", "ceil", max_rows=10**6)
     assert all(g["tokens"] == valid for g in rec["groups"] if "tokens" in g)
@@ -345,6 +348,6 @@ def test_awq_search_refuses_an_offloaded_model(setup):
 
     _, models, _, _ = setup
     shell = empty_model(models["llama"], "bfloat16")
-    groups = cal.model_groups_of(shell, models["llama"])
+    groups = model_groups_of(shell, models["llama"])
     with pytest.raises(UserError, match="needs the whole model in memory, but it was offloaded to disk"):
         pipeline.search_smoothing(shell, [], groups, "nvfp4", "ceil", 64)

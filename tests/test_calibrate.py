@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from resserve_export.stages.calibrate import run as cal
+from resserve_export.stages.calibrate.config import CONFIG_DIR, CalibConfig, make_config
 from resserve_export.observers import stats
 from resserve_export.storage import calibration
 from resserve_export.modeling import data
@@ -107,7 +108,7 @@ def run(model: Path, out: Path, dataset: Path, **kw) -> Path:
     settings.update(kw)
     overwrite = settings.pop("overwrite", False)
     on_batch = settings.pop("on_batch", None)
-    return cal.calibrate(str(model), out, cal.CalibConfig(**settings), overwrite=overwrite, show_progress=False, on_batch=on_batch).path
+    return cal.calibrate(str(model), out, CalibConfig(**settings), overwrite=overwrite, show_progress=False, on_batch=on_batch).path
 
 
 def read(out: Path) -> tuple[dict, dict]:
@@ -258,21 +259,21 @@ def test_overwrite_replaces_the_directory(tiny, texts, tmp_path):
 
 
 def test_presets_and_overrides():
-    quick = cal.make_config("quick")
+    quick = make_config("quick")
     assert (quick.num_samples, quick.seq_len, quick.batch_size, quick.seed) == (32, 256, 8, 42)
-    paper = cal.make_config(str(cal.CONFIG_DIR / "paper.yaml"))
+    paper = make_config(str(CONFIG_DIR / "paper.yaml"))
     assert (paper.num_samples, paper.seq_len, paper.batch_size, paper.seed) == (1024, 2048, 8, 42)
-    assert cal.make_config("quick", seq_len=128, seed=7).seq_len == 128
-    assert cal.make_config("quick", seq_len=None).seq_len == 256
+    assert make_config("quick", seq_len=128, seed=7).seq_len == 128
+    assert make_config("quick", seq_len=None).seq_len == 256
     with pytest.raises(UserError, match=r"available names: \[.*paper.*quick.*\]"):
-        cal.make_config("nope")
+        make_config("nope")
 
 
 def test_preset_with_unknown_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("num_samples: 4\nsequence_length: 9\n")
     with pytest.raises(UserError, match="unknown setting.*sequence_length"):
-        cal.make_config(str(bad))
+        make_config(str(bad))
 
 
 def test_samples_are_seeded_and_capped(tiny, texts):

@@ -17,6 +17,7 @@ from fixtures.tiny import make_calibration, make_model, randomized
 from safetensors.torch import load_file, save_file
 
 from resserve_export.stages.calibrate import run as cal
+from resserve_export.stages.calibrate.config import make_config
 from resserve_export.modeling import data
 from resserve_export.observers import kv as kvcache
 from resserve_export.formats import kv as kv_format
@@ -147,7 +148,7 @@ def test_padding_never_enters_kv_amax(models):
 
 def test_calibrate_records_kv_statistics_deterministically(models, tmp_path):
     texts = write_jsonl(tmp_path / "docs.jsonl", varied_texts(8))
-    cfg = cal.make_config("quick", dataset=str(texts), num_samples=6, seq_len=32, batch_size=3, device="cpu", scores="none")
+    cfg = make_config("quick", dataset=str(texts), num_samples=6, seq_len=32, batch_size=3, device="cpu", scores="none")
     outs = [cal.calibrate(str(models["llama"]), tmp_path / f"c{i}", cfg, show_progress=False).path for i in range(2)]
     assert (outs[0] / kv_file.FILE).read_bytes() == (outs[1] / kv_file.FILE).read_bytes()
     meta = json.loads((outs[0] / "calibration.json").read_text())
@@ -347,7 +348,7 @@ def test_corrupt_kv_file_is_one_line(models, tmp_path):
 def kv_packed(models, tmp_path_factory):
     root = tmp_path_factory.mktemp("kv-verify")
     texts = write_jsonl(root / "docs.jsonl", varied_texts(8))
-    cfg = cal.make_config("quick", dataset=str(texts), num_samples=6, seq_len=32, batch_size=3, device="cpu", scores="none")
+    cfg = make_config("quick", dataset=str(texts), num_samples=6, seq_len=32, batch_size=3, device="cpu", scores="none")
     calib = cal.calibrate(str(models["llama"]), root / "calib", cfg, show_progress=False).path
     ckpt = pack(models["llama"], calib, root / "ckpt", "nvfp4", ratio=0.25, kv_cache="fp8", progress=False).out
     return texts, calib, ckpt

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from torch.nn import functional as F
 
 from resserve_export.stages.calibrate import run as cal
+from resserve_export.stages.calibrate.config import make_config
 from resserve_export.modeling import data
 from resserve_export.formats import ops as formats
 from resserve_export.modeling import modelio
@@ -83,7 +84,7 @@ def moe(tmp_path_factory) -> dict:
 
 
 def _config(moe, mode: str):
-    return cal.make_config("quick", dataset=str(moe["texts"]), num_samples=7, seq_len=48, batch_size=3, device="cpu", scores="none", moe_calib=mode)
+    return make_config("quick", dataset=str(moe["texts"]), num_samples=7, seq_len=48, batch_size=3, device="cpu", scores="none", moe_calib=mode)
 
 
 def _calibrated(moe, arch: str, mode: str = "routed") -> Path:
@@ -176,7 +177,7 @@ def test_every_expert_is_calibrated_on_its_tokens(moe, arch, mode):
 def test_every_expert_is_calibrated_on_its_tokens_on_cuda(moe, arch, mode, tmp_path):
     """The grouped collector on the GPU (torch's grouped GEMM): the model's routing unchanged (the
     counts equal those of transformers' own forward on the same GPU), statistics as the oracle's."""
-    cfg = cal.make_config("quick", dataset=str(moe["texts"]), num_samples=7, seq_len=48, batch_size=3, device="cuda", scores="none", moe_calib=mode)
+    cfg = make_config("quick", dataset=str(moe["texts"]), num_samples=7, seq_len=48, batch_size=3, device="cuda", scores="none", moe_calib=mode)
     calib = cal.calibrate(str(moe["models"][arch]), tmp_path / "calib", cfg, show_progress=False).path
     _check_expert_statistics(moe, arch, mode, calib, "cuda")
 
@@ -436,7 +437,7 @@ def test_plan_without_scores_says_what_to_do(moe, tmp_path):
 @pytest.fixture(scope="module")
 def scored(moe) -> Path:
     """A Qwen3-MoE calibration with grad scores (experts scored as per-expert linears)."""
-    cfg = cal.make_config("quick", dataset=str(moe["texts"]), num_samples=7, seq_len=48, batch_size=3, device="cpu", scores="grad",
+    cfg = make_config("quick", dataset=str(moe["texts"]), num_samples=7, seq_len=48, batch_size=3, device="cpu", scores="grad",
                           score_samples=4, moe_calib="routed")
     return cal.calibrate(str(moe["models"]["qwen3_moe"]), moe["root"] / "calib-scored", cfg, show_progress=False).path
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from resserve_export.stages.calibrate import run as cal
+from resserve_export.stages.calibrate.config import make_config
 from resserve_export.core.errors import UserError
 from resserve_export.storage.resume import RESUME_ENV, state_dir
 
@@ -40,7 +41,7 @@ def setup(tmp_path_factory):
 
 def _config(texts, **kw):
     kw = {"scores": "grad", "score_samples": 4, "score_precision": "fp32", "num_samples": 7, "seq_len": 48, "batch_size": 3, "pipeline": "sequential", **kw}
-    return cal.make_config("quick", dataset=str(texts), device="cpu", **kw)
+    return make_config("quick", dataset=str(texts), device="cpu", **kw)
 
 
 def _run(model, out, texts, *, resume=False, crash_at=None, **kw):

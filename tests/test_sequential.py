@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from resserve_export.stages.calibrate import run as cal
+from resserve_export.stages.calibrate.config import make_config
 from resserve_export.stages.calibrate import sequential
 from resserve_export.core.errors import UserError
 
@@ -48,7 +49,7 @@ def setup(tmp_path_factory):
 
 def _calibrate(model: Path, out: Path, texts: Path, pipeline: str, **kw) -> Path:
     kw = {"scores": "none", **kw}
-    cfg = cal.make_config("quick", dataset=str(texts), num_samples=7, seq_len=48, batch_size=3, device="cpu", pipeline=pipeline, **kw)
+    cfg = make_config("quick", dataset=str(texts), num_samples=7, seq_len=48, batch_size=3, device="cpu", pipeline=pipeline, **kw)
     return cal.calibrate(str(model), out, cfg, show_progress=False).path
 
 
@@ -126,7 +127,7 @@ def test_refusals_are_one_line(setup, tmp_path, kw, needle):
     _, texts, models = setup
     kw = {"scores": "none", **kw}
     with pytest.raises(UserError, match=needle.replace("(", r"\(")) as e:
-        cfg = cal.make_config("quick", dataset=str(texts), num_samples=2, seq_len=32, device="cpu", **kw)
+        cfg = make_config("quick", dataset=str(texts), num_samples=2, seq_len=32, device="cpu", **kw)
         cal.calibrate(str(models["llama"]), tmp_path / "out", cfg, show_progress=False)
     assert "\n" not in str(e.value)
     assert not (tmp_path / "out").exists()
@@ -137,9 +138,10 @@ def test_refusals_are_one_line(setup, tmp_path, kw, needle):
 _RSS = """
 import sys
 from pathlib import Path
-from resserve_export import calibrate as cal
-cfg = cal.make_config("quick", dataset=sys.argv[2], num_samples=4, seq_len=64, batch_size=2, device="cpu", scores="none", pipeline=sys.argv[3])
-cal.calibrate(sys.argv[1], Path(sys.argv[4]), cfg, show_progress=False)
+from resserve_export.stages.calibrate.config import make_config
+from resserve_export.stages.calibrate.run import calibrate
+cfg = make_config("quick", dataset=sys.argv[2], num_samples=4, seq_len=64, batch_size=2, device="cpu", scores="none", pipeline=sys.argv[3])
+calibrate(sys.argv[1], Path(sys.argv[4]), cfg, show_progress=False)
 print([int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")][0])
 """
 

@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from resserve_export.stages.calibrate.run import CalibConfig
-
+from resserve_export import api
+from resserve_export.stages.calibrate.config import CalibConfig
 
 _D = CalibConfig()  # the defaults without --config: the paper preset's values
 
@@ -103,8 +103,6 @@ def command(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress output.")] = False,
 ) -> None:
     """Collect per-channel mean |x| and amax of every quantized linear's input, and the planner's sensitivity scores."""
-    from resserve_export import api
-
     # Settings left at None take the preset's value (make_config drops them).
     res = api.calibrate(
         model, out, config=config, overwrite=overwrite, progress=not quiet, dataset=dataset, num_samples=num_samples,
