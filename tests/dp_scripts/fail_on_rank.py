@@ -6,8 +6,7 @@ the ranks merged their statistics)."""
 import os
 import sys
 
-from resserve_export.stages.calibrate import run as calibrate
-from resserve_export.observers import stats
+from resserve_export.stages.calibrate import ranks
 from resserve_export.stages.calibrate import sequential
 from resserve_export.cli import main
 from resserve_export.core.errors import UserError
@@ -19,7 +18,7 @@ if os.environ.get("RANK") == rank:
         raise UserError(f"injected failure on rank {rank}")
 
     if where == "statistics":
-        stats.collect = broken
+        ranks.collect = broken  # the name the data-parallel whole-model pipeline calls
         real = sequential.collect_sequential
 
         def failing_sequential(*args, combine=None, **kwargs):
