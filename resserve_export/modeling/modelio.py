@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from resserve_export.core.devices import parse_device
 from resserve_export.core.errors import UserError
 from resserve_export.storage.safetensors import ST_DTYPES
 
@@ -287,21 +288,6 @@ def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)
-
-
-def parse_device(device: str) -> str:
-    """Check a ``--device`` value: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
-
-    d = str(device).strip().lower()
-    if d in ("auto", "cpu"):
-        return d
-    if d == "cuda" or (d.startswith("cuda:") and d[5:].isdigit()):
-        if not torch.cuda.is_available():
-            raise UserError(f"--device {device}: no CUDA GPU is visible; use --device cpu or auto")
-        if ":" in d and int(d[5:]) >= torch.cuda.device_count():
-            raise UserError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
-        return d
-    raise UserError(f"unknown --device {device!r}: use auto, cpu, cuda or cuda:N")
 
 
 def load_model_on(model_dir: Path, device: str = "auto", dtype: str = "bfloat16", offload_folder: Path | None = None):

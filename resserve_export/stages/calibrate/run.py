@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from resserve_export.core import devices
 from resserve_export.core.distributed import Ranks, world_size
 from resserve_export.core.errors import UserError
 from resserve_export.core.outputs import check_out_dir, clean_stale, write_dir_atomic
@@ -36,8 +37,15 @@ from resserve_export.stages.calibrate import sequential
 from resserve_export.stages.calibrate.by_layer import collect_by_layer
 from resserve_export.stages.calibrate.collected import Collected
 from resserve_export.stages.calibrate.config import CalibConfig
-from resserve_export.stages.calibrate.linears import check_in_features, quantized_linears
-from resserve_export.stages.calibrate.ranks import collect_ranks, collect_ranks_sequential, start_ranks
+from resserve_export.stages.calibrate.linears import (
+    check_in_features,
+    quantized_linears,
+)
+from resserve_export.stages.calibrate.ranks import (
+    collect_ranks,
+    collect_ranks_sequential,
+    start_ranks,
+)
 from resserve_export.stages.calibrate.whole import collect_whole
 from resserve_export.storage import kv_stats as kv_file
 from resserve_export.storage.calibration import save_stats, versions
@@ -74,7 +82,7 @@ def calibrate(
     out = Path(out)
     check_out_dir(out, overwrite)
     clean_stale(out)
-    modelio.parse_device(config.device)
+    devices.parse_device(config.device)
     model_dir = modelio.resolve_model(model)
     modelio.check_architecture(model_dir, "calibrate")
     shapes = modelio.tensor_shapes(model_dir)
@@ -202,7 +210,7 @@ def choose_pipeline(config: CalibConfig, shapes) -> str:
         return "whole"
     # The loaded model's bytes: every tensor in the load dtype.
     bytes_ = sum(math.prod(shape) for _, shape in shapes.values()) * getattr(torch, config.dtype).itemsize
-    d = modelio.parse_device(config.device)
+    d = devices.parse_device(config.device)
     if d == "cpu" or not torch.cuda.is_available():
         room = sequential.available_memory()
     elif d == "auto":

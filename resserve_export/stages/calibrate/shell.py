@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from resserve_export.core import devices
 from resserve_export.core.errors import UserError
 from resserve_export.modeling import modelio
 from resserve_export.storage.reader import Reading, SlabReader, slab_bytes
@@ -44,7 +45,10 @@ def empty_model(model_dir: Path, dtype: str):
     """The model with parameters on the meta device (buffers real), built as `modelio.load_model`
     builds it."""
     from accelerate import init_empty_weights  # about 1 s: see the module docstring
-    from transformers import AutoConfig, AutoModelForCausalLM  # about 3 s: see the module docstring
+    from transformers import (  # about 3 s: see the module docstring
+        AutoConfig,
+        AutoModelForCausalLM,
+    )
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -86,7 +90,9 @@ def _read(names: list[str], source, dtype) -> dict[str, torch.Tensor]:
 
 def place(model, tensors: dict[str, torch.Tensor], device) -> None:
     """Set the model's tensors (by qualified name) to `tensors`, copied to `device`."""
-    from accelerate.utils import set_module_tensor_to_device  # about 1 s: see the module docstring
+    from accelerate.utils import (
+        set_module_tensor_to_device,  # about 1 s: see the module docstring
+    )
 
     for n, t in tensors.items():
         set_module_tensor_to_device(model, n, device, value=t.to(device, non_blocking=True))
@@ -94,7 +100,9 @@ def place(model, tensors: dict[str, torch.Tensor], device) -> None:
 
 def unload(model, names: list[str]) -> None:
     """Send the model's tensors `names` back to the meta device."""
-    from accelerate.utils import set_module_tensor_to_device  # about 1 s: see the module docstring
+    from accelerate.utils import (
+        set_module_tensor_to_device,  # about 1 s: see the module docstring
+    )
 
     for n in names:
         set_module_tensor_to_device(model, n, "meta")
@@ -131,8 +139,7 @@ class Shell:
 def open_shell(model_dir: Path, device: str, dtype: str) -> Shell:
     """The model of `model_dir` without its decoder layers' tensors, on ``--device`` `device`, in
     `dtype`; every parameter frozen."""
-    d = modelio.parse_device(device)
-    dev = torch.device("cuda" if d == "auto" and torch.cuda.is_available() else ("cpu" if d == "auto" else d))
+    dev = devices.resolve_device(device)
     model = empty_model(model_dir, dtype)
     source = SafetensorsFiles(modelio.weight_files(model_dir))
     prefix, layers = decoder_layers(model)

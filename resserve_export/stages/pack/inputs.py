@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from resserve_export.algorithms.awq.smoothing import Smoothing
+from resserve_export.core import devices
 from resserve_export.core.errors import UserError
 from resserve_export.formats import kv as kv_format
 from resserve_export.formats import registry
@@ -155,15 +156,6 @@ def check_awq_format(record: dict, calib: Path, fmt: str, rounding: str) -> None
     _check_recorded_format(f"the AWQ scales in {calib} were searched for {{fmt}}", record.get("format"), record.get("mx_scale_rounding"), fmt, rounding, "")
 
 
-def pick_device(device: str) -> torch.device:
-    """The quantization device for ``--device`` (checked by `modelio.parse_device`, as every command
-    does): ``auto`` is the first CUDA GPU when there is one, else the CPU."""
-    d = modelio.parse_device(device)
-    if d == "auto":
-        d = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(d)
-
-
 def kv_tensors(calib: Path, shapes, f: registry.Format, kv_cache: str) -> dict[str, torch.Tensor]:
     """{name: stored scale} of the KV-cache scales (empty for ``none``): amax / 448 of the
     calibration's per-layer key and value amax (see `formats.kv`)."""
@@ -215,7 +207,7 @@ def check_args(fmt: str, kv_cache: str, mx_scale: str, ratio: float | None, max_
         raise UserError(f"unknown --mx-scale {mx_scale!r}: choose one of {', '.join(r.value for r in ScaleRounding)}") from None
     if ratio is not None:
         check_ratio_arg(ratio)
-    return PackArgs(f, rounding, parse_size(max_shard_size), pick_device(device), pipeline_depth())
+    return PackArgs(f, rounding, parse_size(max_shard_size), devices.resolve_device(device), pipeline_depth())
 
 
 @dataclass
@@ -265,6 +257,6 @@ def read_inputs(
 
 __all__ = [
     "DEPTH_ENV", "read_calibration", "load_calibration", "check_format_arg", "check_ratio_arg", "load_ratios",
-    "check_plan_format", "check_awq_format", "pick_device", "kv_tensors", "pipeline_depth", "PackArgs", "check_args",
+    "check_plan_format", "check_awq_format", "kv_tensors", "pipeline_depth", "PackArgs", "check_args",
     "PackInputs", "read_inputs",
 ]

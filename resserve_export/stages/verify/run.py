@@ -45,10 +45,16 @@ from typing import Callable
 import torch
 
 from resserve_export.algorithms.awq.smoothing import Smoothing, storage_dtypes
+from resserve_export.core import devices
 from resserve_export.core.errors import CheckpointMismatch, UserError
 from resserve_export.core.outputs import check_out_dir, write_dir_atomic
 from resserve_export.modeling import data, modelio
-from resserve_export.modeling.experts import checkpoint_parameters, expert_blocks, is_expert, unfused
+from resserve_export.modeling.experts import (
+    checkpoint_parameters,
+    expert_blocks,
+    is_expert,
+    unfused,
+)
 from resserve_export.modeling.groups import Group
 from resserve_export.observers.stats import collect
 from resserve_export.stages.verify.checks import (
@@ -163,8 +169,7 @@ def verify(
             f"{ckpt} was packed from other weights than {modelio.model_label(model)} (their fingerprints differ): "
             "pass the --model it was packed from"
         )
-    d = modelio.parse_device(device)
-    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if d == "auto" else d)
+    dev = devices.resolve_device(device)
     dtype = _source_dtype(ck, model_dir)
     # Imported here: transformers.utils takes 3 to 5 s to import (python -X importtime, after
     # torch), which every command would pay, since the CLI imports this stage at start-up.
