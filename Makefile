@@ -78,7 +78,7 @@ $(VLLM_VENV)/.installed: pyproject.toml constraints.txt constraints-vllm.txt
 
 test-vllm: env data vllm-env
 	RESSERVE_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m pytest -q -rA -m vllm \
-		--basetemp=.cache/pytest-vllm tests/test_vllm.py
+		--durations=25 --durations-min=0 --basetemp=.cache/pytest-vllm tests/test_vllm.py
 
 clean:
 	rm -rf $(DEMO) .pytest_cache .hypothesis
