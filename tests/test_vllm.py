@@ -218,7 +218,11 @@ def start_engines(env) -> None:
 
 
 def launch(env) -> None:
-    """Start pending batches while fewer than ENGINE_PROCS run."""
+    """Start pending batches while fewer than ENGINE_PROCS run (one past its deadline is killed:
+    its runs then fail with its log)."""
+    for p in env["batches"].values():
+        if time.monotonic() > p.deadline:
+            p.kill()
     while env["pending"] and sum(p.proc.poll() is None for p in env["batches"].values()) < ENGINE_PROCS:
         batch, jobs = next(iter(env["pending"].items()))
         del env["pending"][batch]
