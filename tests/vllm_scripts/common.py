@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -204,20 +206,69 @@ def logprobs(model, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
+# The line engine.py writes before each run of a batch (the same string as its RUN_MARKER).
+RUN_MARKER = "=== resserve test engine run:"
+
+
+class EngineRun:
+    """tests/vllm_scripts/engine.py running in the vllm venv, in the background: ``result()``
+    waits for it and returns its JSON output. Its stdout and stderr go, in order, to one log file
+    (workdir / f"{name}.log")."""
+
+    def __init__(self, job: dict, workdir: Path, name: str, env: dict | None = None, timeout: int = 900):
+        self.name, self.timeout = name, timeout
+        self.job_path, self.out_path, self.log = workdir / f"{name}.job.json", workdir / f"{name}.out.json", workdir / f"{name}.log"
+        self.job_path.write_text(json.dumps(job))
+        e = dict(os.environ)
+        e.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        e.update(env or {})
+        self.deadline = time.monotonic() + timeout
+        with open(self.log, "wb") as log:
+            # A session of its own: `kill` takes the engine-core process of a multiprocess engine too.
+            self.proc = subprocess.Popen(
+                [str(vllm_python()), str(HERE / "engine.py"), str(self.job_path), str(self.out_path)],
+                env=e, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+    def result(self) -> dict:
+        try:
+            code = self.proc.wait(timeout=max(0.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            code = f"killed after {self.timeout} s"
+        if code != 0:
+            tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
+            raise RuntimeError(f"vLLM run {self.name} failed (exit {code}):\n{tail}")
+        return json.loads(self.out_path.read_text())
+
+    def partial(self) -> dict:
+        """The runs of a batch that finished (engine.py writes its output after every run)."""
+        try:
+            return json.loads(self.out_path.read_text()).get("runs", {})
+        except (OSError, ValueError):
+            return {}
+
+
 def run_engine(job: dict, workdir: Path, name: str, env: dict | None = None, timeout: int = 900) -> dict:
     """Run tests/vllm_scripts/engine.py in the vllm venv; its JSON output."""
-    py = vllm_python()
-    job_path, out_path = workdir / f"{name}.job.json", workdir / f"{name}.out.json"
-    job_path.write_text(json.dumps(job))
-    e = dict(os.environ)
-    e.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"})
-    e.update(env or {})
-    proc = subprocess.run(
-        [str(py), str(HERE / "engine.py"), str(job_path), str(out_path)],
-        env=e, capture_output=True, text=True, timeout=timeout,
-    )
-    (workdir / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-        raise RuntimeError(f"vLLM run {name} failed (exit {proc.returncode}):\n{tail}")
-    return json.loads(out_path.read_text())
+    return EngineRun(job, workdir, name, env, timeout).result()
+
+
+def split_log(log: str) -> dict[str, str]:
+    """A batch's log cut into its runs' logs at engine.py's run markers."""
+    out, name = {}, None
+    for line in log.splitlines(keepends=True):
+        if line.startswith(RUN_MARKER):
+            name = line[len(RUN_MARKER):].strip()
+            out[name] = ""
+        elif name is not None:
+            out[name] += line
+    return out

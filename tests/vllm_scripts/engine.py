@@ -16,6 +16,16 @@ Usage: python engine.py JOB.json OUT.json, where JOB has
                layers hold them after loading
 Prompts run one request at a time, so every engine step holds one request (a prefill of the whole
 prompt, then single-row decode steps).
+
+A batch: JOB is {"runs": [job, ...]}, each job with a "name" besides the keys above. The engines
+are built one after the other in this one process (vLLM imported once), each shut down with
+vLLM's own cleanup before the next is built; OUT is then {"runs": {name: output}}, rewritten
+(atomically) after every run, so that a caller can take each run's output as soon as it is
+there. A job's checkpoint may still be being packed when the batch starts: the run waits up to
+"wait_s" seconds (default 0) for its config.json (pack renames a finished checkpoint into place). Each run's
+log lines follow a line "<RUN_MARKER> name" (common.split_log cuts the log there). The process
+environment (RESSERVE_VLLM_METHOD, VLLM_ENABLE_V1_MULTIPROCESSING, ...) is the same for every
+run of a batch: runs that need another environment go in another batch.
 """
 
 import json
@@ -28,9 +38,15 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 STOCK_FP32 = "modelopt_fp4_admit_fp32"
+RUN_MARKER = "=== resserve test engine run:"  # common.RUN_MARKER
+_stock_fp32_registered = False
 
 
 def register_stock_fp32() -> None:
+    global _stock_fp32_registered
+    if _stock_fp32_registered:  # once per process: a second registration of the name is an error
+        return
+    _stock_fp32_registered = True
     import torch
     from vllm.model_executor.layers.quantization import register_quantization_config
     from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
@@ -56,11 +72,16 @@ def kv_scales(model) -> dict:
     return {n: [m._k_scale_float, m._v_scale_float] for n, m in model.named_modules() if isinstance(m, Attention)}
 
 
-def main(job_path: str, out_path: str) -> None:
-    job = json.load(open(job_path))
-    import torch
+def wait_for_checkpoint(job: dict) -> None:
+    deadline = time.time() + job.get("wait_s", 0)
+    while not os.path.exists(os.path.join(job["ckpt"], "config.json")):
+        if time.time() > deadline:
+            raise FileNotFoundError(f"no checkpoint at {job['ckpt']} after {job.get('wait_s', 0)} s")
+        time.sleep(0.5)
 
-    torch.set_num_threads(int(os.environ.get("RESSERVE_TEST_THREADS", "2")))
+
+def run(job: dict) -> dict:
+    """Build the engine of one job, answer its questions, shut it down; its output."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -104,7 +125,46 @@ def main(job_path: str, out_path: str) -> None:
             top.append({str(t): v.logprob for t, v in lp.items() if v.rank is not None and v.rank <= topk})
         out["score"].append({"actual": actual, "top": top})
     out["wall_s"] = time.time() - t0
-    json.dump(out, open(out_path, "w"))
+    shutdown(llm)
+    return out
+
+
+def shutdown(llm) -> None:
+    """Stop the engine and free what it holds, so that the next engine of a batch starts as in a
+    fresh process: vLLM's own teardown between engines (its test suite builds many in one
+    process), which also drops its cached environment variables; "once" log lines are logged
+    again by the next engine (the MoE tests look for the kernel line in each run's log)."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    from vllm.logger import _print_debug_once, _print_info_once, _print_warning_once
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    cleanup_dist_env_and_memory()
+    gc.collect()
+    for f in (_print_debug_once, _print_info_once, _print_warning_once):
+        f.cache_clear()
+
+
+def main(job_path: str, out_path: str) -> None:
+    job = json.load(open(job_path))
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("RESSERVE_TEST_THREADS", "2")))
+    if "runs" not in job:
+        json.dump(run(job), open(out_path, "w"))
+        return
+    import vllm  # noqa: F401  (imported while the first checkpoint may still be being packed)
+
+    outs = {}
+    for j in job["runs"]:
+        wait_for_checkpoint(j)
+        print(f"{RUN_MARKER} {j['name']}", flush=True)
+        outs[j["name"]] = run(j)
+        with open(out_path + ".tmp", "w") as f:
+            json.dump({"runs": outs}, f)
+        os.replace(out_path + ".tmp", out_path)
 
 
 if __name__ == "__main__":

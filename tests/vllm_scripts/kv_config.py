@@ -1,6 +1,7 @@
 """How vLLM's own code reads a checkpoint's KV-cache declaration and scale names (no engine).
 
-Usage: python kv_config.py CKPT OUT.json. Writes what vLLM makes of the checkpoint: the KV-cache
+Usage: python kv_config.py CKPT OUT.json [CKPT OUT.json ...] (several checkpoints in one process,
+vLLM imported once). For each checkpoint, writes what vLLM makes of the checkpoint: the KV-cache
 dtype `--kv-cache-dtype auto` resolves to, the KV algorithm its ModelOpt config parses from
 config.json and from hf_quant_config.json, where its scale-name mapper puts every stored k / v
 scale, and whether the KV-scale parameter's loader accepts each stored tensor.
@@ -45,4 +46,7 @@ def main(ckpt: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    args = sys.argv[1:]
+    assert args and len(args) % 2 == 0, "usage: kv_config.py CKPT OUT.json [CKPT OUT.json ...]"
+    for ckpt, out in zip(args[::2], args[1::2]):
+        main(ckpt, out)

@@ -163,11 +163,20 @@ class Server:
         """Send ``sig`` to the server's process group (what Ctrl-C in a terminal does) and wait for
         the server to exit; then give its processes up to ``linger`` seconds to go. Returns the
         server's exit status and the processes of this run still alive (none, for a clean stop)."""
+        self.interrupt(sig)
+        return self.wait_stopped(sig, timeout, linger)
+
+    def interrupt(self, sig: int = signal.SIGINT) -> None:
+        """The first half of ``stop``: ``sig`` to the server's process group (several servers can
+        then stop at the same time)."""
         self.record_tree()
         try:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
+
+    def wait_stopped(self, sig: int = signal.SIGINT, timeout: float = 120, linger: float = 30) -> tuple[int, list[Proc]]:
+        """The second half of ``stop``: the exit status and the processes of this run still alive."""
         try:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
