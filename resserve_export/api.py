@@ -45,6 +45,10 @@ from resserve_export.stages.size import (
 )
 from resserve_export.stages.verify.run import verify as _verify
 
+# transformers (3 to 5 s to import after torch), datasets (about 3 s) and huggingface_hub are
+# imported inside `_snapshot` / `_restore`, which only the model-loading stages call: the
+# CLI imports this module for every command, `size` and `--help` included (python -X importtime).
+
 
 @dataclass(frozen=True)
 class PlanResult:

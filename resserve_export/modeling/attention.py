@@ -12,6 +12,9 @@ import torch
 from resserve_export.core.errors import UserError
 from resserve_export.core.names import natural_key
 
+# transformers (3 to 5 s to import after torch, python -X importtime) is imported where the
+# observing cache is built: `size` and `inspect` read attention modules from headers alone.
+
 
 def attention_modules(shapes: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
     """Attention modules of a checkpoint from its headers: those with 2-D ``k_proj`` and

@@ -37,6 +37,10 @@ import torch
 from resserve_export.core.errors import UserError
 from resserve_export.modeling.modelio import cache_dir
 
+# datasets (about 3 s to import after torch, python -X importtime) and huggingface_hub are imported
+# inside the function that reads a hub-style dataset: plain text files and every other command
+# never need them.
+
 # Held-out plays (both editions of each): evaluation text for verify, plan checks and serving tests.
 EVAL_PLAYS = ("hamlet", "julius_caesar", "macbeth", "tempest")
 DEFAULT_DATASET = "shakespeare"

@@ -23,6 +23,10 @@ from resserve_export.core.devices import parse_device
 from resserve_export.core.errors import UserError
 from resserve_export.storage.safetensors import ST_DTYPES
 
+# transformers and huggingface_hub are imported inside the functions that load a model or a
+# tokenizer: transformers alone takes 3 to 5 s to import after torch (python -X importtime), which
+# `size`, `inspect`, `plan` and `--help` never need.
+
 
 def cache_dir() -> Path:
     return Path(os.environ.get("RESSERVE_CACHE", Path.home() / ".cache" / "resserve-export"))

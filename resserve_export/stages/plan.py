@@ -24,6 +24,9 @@ from resserve_export.modeling.experts import expert_parts
 from resserve_export.planners import Infeasible, Problem, objective, total_cost
 from resserve_export.planners import solve as solve_problem
 
+# matplotlib.pyplot (about 1.3 s to import, python -X importtime) is imported where the chart is
+# drawn: `plan --no-chart` and the commands that read plans never pay for it.
+
 SCORES_FILE = "scores.json"
 CALIBRATION_FILE = "calibration.json"
 PLAN_FILE = "plan.json"
