@@ -7,6 +7,8 @@ import warnings
 import pytest
 import torch
 
+from tests.fixtures.moe import moe, moe_scored  # noqa: F401 (session fixtures: tiny MoE models, a scored calibration)
+
 torch.set_num_threads(2)
 # ModelOpt warns on import that it was not tested with our transformers; the warning is noise here.
 warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
@@ -22,9 +24,3 @@ def pytest_configure(config):
 def gen() -> torch.Generator:
     """A seeded CPU generator: every random tensor in a test is reproducible."""
     return torch.Generator().manual_seed(1234)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Raw bit pattern of a float tensor (so +0/-0 and NaN payloads compare exactly)."""
-    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
-    return t.contiguous().view(view)
