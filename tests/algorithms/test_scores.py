@@ -448,15 +448,15 @@ def test_fast_prepare_with_the_kernel_is_bit_identical(tiny, fmt):
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.skipif(TORCH < (2, 8), reason="torch.mm(..., out_dtype) needs torch >= 2.8")
 def test_gpu_products_write_fp32():
     """torch ≥ 2.8 runs a bf16/fp16 GEMM with an FP32 output on CUDA: the split layout is taken."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 8):
-        pytest.skip("torch.mm(..., out_dtype) needs torch >= 2.8")
     assert D._mm_f32_native(dev, torch.bfloat16) and D._mm_f32_native(dev, torch.float16)
     a = (torch.randn(64, 512, device=dev) * 3).bfloat16()
     b = (torch.randn(48, 512, device=dev) * 3).bfloat16()

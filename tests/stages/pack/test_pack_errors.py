@@ -216,11 +216,18 @@ def test_non_finite_weights_are_refused_with_the_layer(tiny, tmp_path, capsys, f
     _assert_user_error(argv, capsys, out, "up_proj", "NaN or Inf")
 
 
-@pytest.mark.parametrize("device, needle", [("tpu", "unknown --device 'tpu'"), ("cuda:0", "--device cuda:0")])
+@pytest.mark.parametrize(
+    "device, needle",
+    [
+        ("tpu", "unknown --device 'tpu'"),
+        pytest.param(
+            "cuda:0", "--device cuda:0",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message for a machine without a CUDA GPU"),
+        ),
+    ],
+)
 def test_device_is_parsed_as_by_every_command(tiny, tmp_path, capsys, device, needle):
     """pack takes the same --device values as calibrate and verify (auto, cpu, cuda, cuda:N)."""
-    if device.startswith("cuda") and torch.cuda.is_available():
-        pytest.skip("checks the message for a machine without a CUDA GPU")
     model, calib = tiny
     out = tmp_path / "ck"
     _assert_user_error([*_argv(model, calib, out, "--ratio", "0"), "--device", device], capsys, out, needle)
