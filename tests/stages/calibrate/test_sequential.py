@@ -125,7 +125,7 @@ def test_refusals_are_one_line(setup, tmp_path, kw, needle):
 _RSS = """
 import sys
 from pathlib import Path
-from resserve_export import calibrate as cal
+from resserve_export.stages.calibrate import run as cal
 cfg = cal.make_config("quick", dataset=sys.argv[2], num_samples=4, seq_len=64, batch_size=2, device="cpu", scores="none", pipeline=sys.argv[3])
 cal.calibrate(sys.argv[1], Path(sys.argv[4]), cfg, show_progress=False)
 print([int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")][0])
