@@ -55,8 +55,11 @@ kernel-check:
 		done; \
 	else echo "nvcc not found, skipping CUDA builds"; fi
 
+# The layer contract first (seconds), then the CPU suite with its slowest tests listed.
+# Budget: 15 minutes on a 2-core CI machine (docs/testing.md).
 test: env data kernel-check
-	$(BIN)/python -m pytest -q -m "not vllm" tests
+	$(BIN)/lint-imports
+	$(BIN)/python -m pytest -q -m "not vllm" --durations=25 tests
 
 # vLLM (CPU build) in its own venv: it pins transformers and setuptools versions our venv cannot
 # share. Its torchvision/torchaudio/torchcodec break `import vllm` against the CPU torch, so they
