@@ -258,6 +258,7 @@ def smollm2():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("smollm2-scores")  # one worker loads and calibrates SmolLM2 for both
 def test_smollm2_budget_plan_beats_uniform(smollm2):
     from resserve_export.stages import plan as P
 
@@ -278,6 +279,7 @@ def test_smollm2_budget_plan_beats_uniform(smollm2):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("smollm2-scores")  # one worker loads and calibrates SmolLM2 for both
 def test_smollm2_kl_scores(smollm2):
     model, groups, calib, _, stats, cands = smollm2
     # The last layer: each (group, ratio) reruns one decoder layer and the head (the fast path).

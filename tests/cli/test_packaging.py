@@ -18,6 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "README.md", "resserve_export", "kernels", "planners", "calib_configs")
 
 
+# Under pytest-xdist (--dist loadgroup) the tests that read the wheel run on one worker: it is
+# built once.
+pytestmark = pytest.mark.xdist_group("wheel")
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("src")

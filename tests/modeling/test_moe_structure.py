@@ -13,6 +13,10 @@ from resserve_export.modeling.experts import expert_blocks, fused_modules
 from tests.fixtures.checkpoints import source_tensors
 from tests.fixtures.moe import ARCHS
 
+# The session's MoE models and their cached calibrations (tests.fixtures.moe) are built once:
+# under pytest-xdist (--dist loadgroup) every MoE test runs on one worker.
+pytestmark = pytest.mark.xdist_group("moe")
+
 torch.set_num_threads(2)
 
 

@@ -22,6 +22,10 @@ from tests.fixtures.checkpoints import source_tensors
 from tests.fixtures.console import run
 from tests.fixtures.moe import ARCHS, CUDA, TOP_K, calibrated, moe_config
 
+# The session's MoE models and their cached calibrations (tests.fixtures.moe) are built once:
+# under pytest-xdist (--dist loadgroup) every MoE test runs on one worker.
+pytestmark = pytest.mark.xdist_group("moe")
+
 torch.set_num_threads(2)
 
 

@@ -96,6 +96,11 @@ def synthetic_calibration(calib: Path) -> None:
     (calib / "scores.json").write_text(json.dumps(scores, indent=1))
 
 
+# Under pytest-xdist (--dist loadgroup) both tests run on one worker: the calibration of the
+# default model in `demo` is made once, not once per worker.
+pytestmark = pytest.mark.xdist_group("checkpoint-bytes")
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("pinned")

@@ -38,6 +38,10 @@ from tests.fixtures.checkpoints import source_tensors
 from tests.fixtures.moe import calibrated
 from tests.fixtures.tensors import bits
 
+# The session's MoE models and their cached calibrations (tests.fixtures.moe) are built once:
+# under pytest-xdist (--dist loadgroup) every MoE test runs on one worker.
+pytestmark = pytest.mark.xdist_group("moe")
+
 
 torch.set_num_threads(2)
 ARCHS = ["qwen3_moe", "mixtral", "deepseek_v3", "qwen2_moe"]

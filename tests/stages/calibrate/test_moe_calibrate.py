@@ -18,6 +18,10 @@ from tests.fixtures.console import assert_one_line_error, leftovers, run
 from tests.fixtures.moe import calibrated
 from tests.fixtures.tiny import make_calibration
 
+# The session's MoE models and their cached calibrations (tests.fixtures.moe) are built once:
+# under pytest-xdist (--dist loadgroup) every MoE test runs on one worker.
+pytestmark = pytest.mark.xdist_group("moe")
+
 torch.set_num_threads(2)
 
 

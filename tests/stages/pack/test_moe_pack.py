@@ -21,6 +21,10 @@ from tests.fixtures.checkpoints import assert_loaders_decode, source_tensors, to
 from tests.fixtures.moe import ARCHS, CUDA, calibrated
 from tests.fixtures.tensors import bits
 
+# The session's MoE models and their cached calibrations (tests.fixtures.moe) are built once:
+# under pytest-xdist (--dist loadgroup) every MoE test runs on one worker.
+pytestmark = pytest.mark.xdist_group("moe")
+
 torch.set_num_threads(2)
 
 

@@ -15,6 +15,10 @@ from tests.fixtures.console import assert_one_line_error, run
 from tests.fixtures.moe import calibrated
 from tests.fixtures.tensors import bits
 
+# The session's MoE models and their cached calibrations (tests.fixtures.moe) are built once:
+# under pytest-xdist (--dist loadgroup) every MoE test runs on one worker.
+pytestmark = pytest.mark.xdist_group("moe")
+
 torch.set_num_threads(2)
 
 

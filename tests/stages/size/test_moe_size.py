@@ -18,6 +18,10 @@ from tests.fixtures.checkpoints import written_classes
 from tests.fixtures.moe import ARCHS
 from tests.fixtures.tiny import make_calibration
 
+# The session's MoE models and their cached calibrations (tests.fixtures.moe) are built once:
+# under pytest-xdist (--dist loadgroup) every MoE test runs on one worker.
+pytestmark = pytest.mark.xdist_group("moe")
+
 torch.set_num_threads(2)
 
 

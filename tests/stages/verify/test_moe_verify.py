@@ -14,6 +14,10 @@ from resserve_export.stages.pack.run import pack
 from tests.fixtures.console import assert_one_line_error, leftovers, run
 from tests.fixtures.moe import CUDA, TOP_K, calibrated
 
+# The session's MoE models and their cached calibrations (tests.fixtures.moe) are built once:
+# under pytest-xdist (--dist loadgroup) every MoE test runs on one worker.
+pytestmark = pytest.mark.xdist_group("moe")
+
 torch.set_num_threads(2)
 
 
