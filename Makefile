@@ -55,8 +55,12 @@ kernel-check:
 		done; \
 	else echo "nvcc not found, skipping CUDA builds"; fi
 
+# The layer contract first (seconds), then the CPU suite on two pytest-xdist workers (tests that
+# share an expensive module fixture carry one xdist_group) with its slowest tests listed.
+# Budget: 15 minutes on a 2-core CI machine (docs/testing.md).
 test: env data kernel-check
-	$(BIN)/python -m pytest -q -m "not vllm" tests
+	$(BIN)/lint-imports
+	$(BIN)/python -m pytest -q -m "not vllm" --durations=25 -n 2 --dist loadgroup tests
 
 # vLLM (CPU build) in its own venv: it pins transformers and setuptools versions our venv cannot
 # share. Its torchvision/torchaudio/torchcodec break `import vllm` against the CPU torch, so they

