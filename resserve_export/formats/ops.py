@@ -18,6 +18,7 @@ from resserve_export.core.compiling import compile_or_eager
 from resserve_export.formats.mxfp4 import ScaleRounding
 from resserve_export.formats.qtensor import FP4Tensor
 from resserve_export.formats.registry import Format
+from resserve_export.formats.scale_rules import BlockScaleRule
 
 # Blocks per compiled chunk: large enough to amortise dispatch, small enough to stay in cache.
 _CHUNK_BLOCKS = 1 << 14
@@ -32,8 +33,8 @@ def check_format(fmt: str | Format) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(f: Format, rounding: ScaleRounding):
-    return compile_or_eager(f.blocks_fn(rounding), dynamic=False, fullgraph=True)
+def _compiled(f: Format, rounding: ScaleRounding, rule: BlockScaleRule = BlockScaleRule.MINMAX):
+    return compile_or_eager(f.blocks_fn(rounding, rule), dynamic=False, fullgraph=True)
 
 
 def _pick_backend(x: torch.Tensor, backend: str) -> str:
@@ -73,14 +74,18 @@ def quantize(
     alpha: torch.Tensor | None = None,
     rounding: ScaleRounding | str = ScaleRounding.CEIL,
     backend: str = "auto",
+    scale_rule: BlockScaleRule | str = BlockScaleRule.MINMAX,
 ) -> FP4Tensor:
     """Quantize `x` ``[..., K]`` along its last dim (K a multiple of the block size).
 
     NVFP4: `alpha` is the FP32 tensor scale; None derives it from ``amax(x)`` (weights). MXFP4 has no
-    tensor scale and uses `rounding` for its block exponents.
+    tensor scale and uses `rounding` for its block exponents. `scale_rule` chooses NVFP4 block
+    scales (`scale_rules`: ``minmax``, ModelOpt's, or the per-block error search ``mse``, meant
+    for weights); MXFP4 takes ``minmax`` only.
     """
     f = registry.get(fmt)
     rounding = ScaleRounding(rounding)
+    scale_rule = f.check_scale_rule(scale_rule)
     b = f.block
     K = x.shape[-1]
     if K % b:
@@ -96,9 +101,9 @@ def quantize(
         args = ()
     blocks = x.reshape(-1, b)
     if _pick_backend(x, backend) == "compiled" and blocks.shape[0] > 0:
-        codes, scales = _run_chunked(_compiled(f, rounding), blocks.contiguous(), args)
+        codes, scales = _run_chunked(_compiled(f, rounding, scale_rule), blocks.contiguous(), args)
     else:
-        codes, scales = f.blocks_fn(rounding)(blocks, *args)
+        codes, scales = f.blocks_fn(rounding, scale_rule)(blocks, *args)
     return FP4Tensor(f.name, codes.reshape(*lead, K // 2), scales.reshape(*lead, K // b), alpha)
 
 

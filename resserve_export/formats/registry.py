@@ -25,8 +25,10 @@ import torch
 
 from resserve_export.formats import mxfp4
 from resserve_export.formats import nvfp4
+from resserve_export.formats import scale_rules
 from resserve_export.formats.constants import MXFP4_BLOCK, NVFP4_BLOCK
 from resserve_export.formats.mxfp4 import ScaleRounding
+from resserve_export.formats.scale_rules import BlockScaleRule
 
 PRODUCER = "resserve-export"
 HF_QUANT_CONFIG = "hf_quant_config.json"  # NVFP4's extra file (ModelOpt's unified HF format)
@@ -90,15 +92,29 @@ class Format:
 
     # ------------------------------------------------------------------ arithmetic
 
-    def quantize_blocks(self, blocks: torch.Tensor, alpha: torch.Tensor | None, rounding: ScaleRounding):
-        """(codes, scales) of ``[n, block]`` blocks (the reference block functions)."""
-        return self._quantize_blocks(blocks, alpha, ScaleRounding(rounding))
+    def quantize_blocks(
+        self, blocks: torch.Tensor, alpha: torch.Tensor | None, rounding: ScaleRounding, rule: BlockScaleRule | str = BlockScaleRule.MINMAX
+    ):
+        """(codes, scales) of ``[n, block]`` blocks (the reference block functions); `rule` is the
+        block-scale rule of weights (`scale_rules`), which only NVFP4 offers beyond ``minmax``."""
+        if self.check_scale_rule(rule) is BlockScaleRule.MINMAX:
+            return self._quantize_blocks(blocks, alpha, ScaleRounding(rounding))
+        return scale_rules.quantize_blocks(blocks, alpha, rule)
 
-    def blocks_fn(self, rounding: ScaleRounding) -> Callable:
+    def blocks_fn(self, rounding: ScaleRounding, rule: BlockScaleRule | str = BlockScaleRule.MINMAX) -> Callable:
         """``fn(blocks, *alpha_args)`` for compiled chunking: α is an argument only where it exists."""
+        rule = self.check_scale_rule(rule)
         if self.has_tensor_scale:
-            return nvfp4.quantize_blocks
+            return scale_rules.blocks_fn(rule)
         return functools.partial(mxfp4.quantize_blocks, rounding=ScaleRounding(rounding))
+
+    def check_scale_rule(self, rule: BlockScaleRule | str) -> BlockScaleRule:
+        """`rule` as a `BlockScaleRule`; ValueError where the format has no such choice (MXFP4's
+        E8M0 exponents follow `rounding` instead)."""
+        rule = BlockScaleRule(rule)
+        if rule is not BlockScaleRule.MINMAX and not self.has_tensor_scale:
+            raise ValueError(f"{self.name} has no block scale rule {rule.value!r}: its scale exponents follow the scale rounding")
+        return rule
 
     def dequantize_blocks(self, codes: torch.Tensor, scales: torch.Tensor, alpha: torch.Tensor | None) -> torch.Tensor:
         return self._dequantize_blocks(codes, scales, alpha)

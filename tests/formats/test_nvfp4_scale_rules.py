@@ -18,12 +18,7 @@ from resserve_export.formats import ops as formats
 from resserve_export.formats.fp4 import unpack_fp4
 from resserve_export.formats.scale_rules import MSE_STEPS_DOWN, MSE_STEPS_UP, BlockScaleRule
 
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Raw bit pattern of a float tensor (+0/-0 and NaN payloads compare exactly)."""
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
+from tests.fixtures.tensors import bits
 
 # Every finite positive E4M3 value, ordered (bit patterns 0x01..0x7E).
 E4M3_POSITIVE = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
@@ -168,7 +163,7 @@ def test_property_mse_never_worse_and_round_trips(a, calibrated_amax):
     e1 = scale_rules.block_sse(xb, q1.codes.reshape(-1, 8), q1.scales.reshape(-1), alpha)
     assert (e1 <= e0).all()
     deq = formats.dequantize(q1)
-    assert torch.equal(bits(deq), bits(registry.NVFP4.dequantize_blocks(q1.codes, q1.scales, alpha).reshape(x.shape)))
+    assert torch.equal(bits(deq), bits(registry.NVFP4.dequantize_blocks(q1.codes.reshape(-1, 8), q1.scales.reshape(-1), alpha).reshape(x.shape)))
     direct = (E2M1[unpack_fp4(q1.codes).long()].reshape(-1, 16) * (q1.scales.float().reshape(-1, 1) * alpha)).reshape(x.shape)
     assert torch.equal(bits(deq), bits(direct))
     assert torch.isfinite(q1.scales.float()).all() and (q1.scales.float() > 0).all()
