@@ -10,10 +10,19 @@ block, tries the E4M3 scales next to the min-max one, `MSE_STEPS_UP` representab
 and `MSE_STEPS_DOWN` below it (clamped to [2^-9, 448]), keeping the one whose dequantized block
 (`nvfp4.dequantize_blocks`) has the smallest squared error. Scales above the min-max one map the
 block amax below 6, often onto 4, where the E2M1 grid is finer relative to the value (the gap
-4→6 is the widest); scales below it clip the amax to buy resolution for the other values. The min-max scale is tried first and
-only a strictly smaller error replaces it, so no block gets worse than under ``minmax``, and an
-all-zero or non-finite block keeps its min-max scale. Every block is chosen from its own 16
-values and α, so quantizing ``[W | W_S]`` still gives the plain quantization in its first columns.
+4→6 is the widest); scales below it clip the amax to buy resolution for the other values. The
+min-max scale is tried first and only a strictly smaller error replaces it, so no block gets
+worse than under ``minmax``, and an all-zero or non-finite block keeps its min-max scale. Every
+block is chosen from its own 16 values and α, so quantizing ``[W | W_S]`` still gives the plain
+quantization in its first columns. ModelOpt's MSE calibration with its FP8 scale sweep has the
+same objective over all 126 E4M3 values; on SmolLM2's weights, probes 12 steps down and 10 up
+found no block whose best scale lies outside this window.
+
+Less weight error is not a better model. On SmolLM2-135M-Instruct's 210 decoder linears ``mse``
+lowers the weight squared error by 30 % (every linear) and the output error on real activations
+in 203 of them (pooled: 11 %), yet its fake-quantized perplexity on 2048 tokens is higher
+(weights only 63.9 -> 65.2, weights and activations 74.0 -> 79.5; scaling α by 1 ± 2^-9 moves
+these by 1-2 %). So ``minmax`` stays the default and ``mse`` is an option to evaluate per model.
 
 The search is a scale choice only: checkpoints, the serving kernels and every dequantizer read
 its output as any NVFP4 tensor. Activations are quantized at run time by the serving engine with
