@@ -1,4 +1,4 @@
-"""The fused quantize-and-extend kernel's CPU side (SPEC §11): the wrapper's reference path, its
+"""The fused quantize-and-extend kernel's CPU side (docs/formats.md, "The fused quantize-and-extend kernel"): the wrapper's reference path, its
 argument checks, and the kernel's two E2M1 rounding rules (re-stated in Python) against
 `fp4.encode_e2m1`: the exact path's integer rule and the fast path's one-binade magic-number rule.
 The kernel itself on a GPU: tests/kernels/test_quantize_extend_cuda.py."""

@@ -1,4 +1,4 @@
-"""K-Ext extended weight and activation (SPEC §5–§6)."""
+"""K-Ext extended weight and activation (docs/formats.md, "Channel selection and masks" and "The extended weight (K-Ext)")."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def test_extended_product_is_base_plus_selected_residue(fmt, ratio, gen):
     assert x_ext.shape == (x.shape[0], K + K_E) and w_ext.shape == (w.shape[0], K + K_E)
     lhs = x_ext.dequantize() @ w_ext.dequantize().T
 
-    # The right-hand side built independently, from SPEC §5-§6 as written.
+    # The right-hand side built independently, from docs/formats.md ("Channel selection and masks", "The extended weight (K-Ext)") as written.
     x_hat = formats.qdq(x, fmt, alpha=alpha_x)
     w_hat = formats.qdq(w, fmt)
     r = x.float() - x_hat

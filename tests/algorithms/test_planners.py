@@ -15,7 +15,7 @@ def random_problem(rng: random.Random, groups: int, options: int, *, ties: bool 
     scores, costs = [], []
     for _ in range(groups):
         n = rng.choice([64, 128, 576, 1536])
-        # SPEC §10 shape: cost grows with the ratio, damage usually falls (not always).
+        # The planner's shape (docs/formats.md): cost grows with the ratio, damage usually falls (not always).
         c = sorted(rng.sample(range(0, 9), options))
         s = sorted((round(rng.uniform(0, 5), 1 if ties else 6) for _ in range(options)), reverse=True)
         if rng.random() < 0.3:

@@ -1,4 +1,4 @@
-"""Sensitivity scores (SPEC §10): exact against the emulated linear, padding-blind, and on SmolLM2
+"""Sensitivity scores (docs/formats.md, "Ratio planner"): exact against the emulated linear, padding-blind, and on SmolLM2
 a budget plan built from them beats a uniform ratio at the same bits."""
 
 import math

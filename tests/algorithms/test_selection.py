@@ -1,4 +1,4 @@
-"""Block-local top-k channel selection and uint8 masks (SPEC §5)."""
+"""Block-local top-k channel selection and uint8 masks (docs/formats.md, "Channel selection and masks")."""
 
 from __future__ import annotations
 

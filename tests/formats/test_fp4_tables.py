@@ -1,4 +1,4 @@
-"""E2M1 element encoding and nibble packing (SPEC §2), written out by hand."""
+"""E2M1 element encoding and nibble packing (docs/formats.md, "The FP4 element (E2M1)"), written out by hand."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""MXFP4 (SPEC §4): ModelOpt's ceil rule, compressed-tensors' even rule, the OCP floor rule."""
+"""MXFP4 (docs/formats.md, "MXFP4"): ModelOpt's ceil rule, compressed-tensors' even rule, the OCP floor rule."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""NVFP4 (SPEC §3): bit-identical to ModelOpt 0.47 and readable by compressed-tensors."""
+"""NVFP4 (docs/formats.md, "NVFP4"): bit-identical to ModelOpt 0.47 and readable by compressed-tensors."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def test_operation_order():
 
 
 def test_all_zero_tensor_dequantizes_to_zero():
-    # ModelOpt returns NaN block scales here (0/0); we keep SPEC's "zero -> 1.0" instead.
+    # ModelOpt returns NaN block scales here (0/0); we keep docs/formats.md's "zero -> 1.0" instead.
     x = torch.zeros(4, 32, dtype=torch.bfloat16)
     q = formats.quantize(x, "nvfp4")
     assert q.global_scale.item() == 0.0

@@ -1,4 +1,4 @@
-"""The fused quantize-and-extend CUDA kernel against the PyTorch reference (SPEC §11): the kernel
+"""The fused quantize-and-extend CUDA kernel against the PyTorch reference (docs/formats.md, "The fused quantize-and-extend kernel"): the kernel
 is built and compared bit for bit (codes and scale bytes, rtol=0) with the reference on poisoned
 outputs. Needs a CUDA GPU (sm_90 or newer) and nvcc; skipped elsewhere."""
 

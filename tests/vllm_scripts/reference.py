@@ -11,7 +11,7 @@ Two arithmetics:
 - ``vllm``: what vLLM's stock emulation kernels compute (``EmulationNvFp4LinearKernel`` and our
   ``CpuMxfp4LinearKernel``): the QDQ activation is rounded to the model dtype, the weight is
   dequantized in FP32 and rounded to the model dtype, and the product is a matmul in the model
-  dtype. vLLM's NVFP4 activation QDQ orders its FP32 operations differently from SPEC §3 (it
+  dtype. vLLM's NVFP4 activation QDQ orders its FP32 operations differently from docs/formats.md, "NVFP4" (it
   multiplies by reciprocals of the inverse tensor scale, see :func:`vllm_nvfp4_qdq`), which
   changes a code now and then, so this arithmetic reproduces that order too.
 

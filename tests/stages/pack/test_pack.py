@@ -1,4 +1,4 @@
-"""`pack` writes what SPEC §3–§7 say: reference quantization, shared fused scales, masks = top-k
+"""`pack` writes what docs/formats.md says (NVFP4, MXFP4, selection, K-Ext, the checkpoint directory): reference quantization, shared fused scales, masks = top-k
 of the calibration, extension = the extended quantization's extra columns, readable by ModelOpt
 and compressed-tensors, deterministic, sharded sources, pinned byte counts."""
 
@@ -205,7 +205,7 @@ def test_tied_embeddings_stored_once(tmp_path):
 
 # Pinned byte counts of the fixed tiny model (2 layers, hidden 64, intermediate 128, vocab 256,
 # untied) per file class. A change here changes what every user's checkpoint holds. Tensor data
-# by SPEC §8: NVFP4 linears 73,728 weights · 9/16 + 14 · 8 = 41,584 B, MXFP4 73,728 · 17/32 =
+# by docs/formats.md, "Checkpoint size": NVFP4 linears 73,728 weights · 9/16 + 14 · 8 = 41,584 B, MXFP4 73,728 · 17/32 =
 # 39,168 B, bf16 embeddings 65,536 B and norms 768 B; the rest is safetensors headers.
 PINNED = {
     ("nvfp4", 0.25): {"model": 114824, "sidecar": 41632, "model_index": 5699, "sidecar_index": 4008, "hf_quant_config": 232},

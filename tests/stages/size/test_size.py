@@ -1,4 +1,4 @@
-"""`size` from config.json alone: equal to what `pack` writes, and SPEC §8's Qwen3-8B figures."""
+"""`size` from config.json alone: equal to what `pack` writes, and the Qwen3-8B figures of docs/formats.md ("Checkpoint size")."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ QWEN3_8B = {
 }
 TOKENIZER = 16_000_000  # "about 16 MB of tokenizer files"
 
-# SPEC §8, GiB.
-SPEC_FIGURES = {
+# docs/formats.md, "Checkpoint size", GiB.
+REFERENCE_FIGURES = {
     ("nvfp4", 0.0): 5.973,
     ("nvfp4", 0.125): 6.431,
     ("nvfp4", 0.25): 6.888,
@@ -52,11 +52,11 @@ PINNED_TOTALS = {
 }
 
 
-@pytest.mark.parametrize("fmt,ratio", list(SPEC_FIGURES))
+@pytest.mark.parametrize("fmt,ratio", list(REFERENCE_FIGURES))
 def test_qwen3_8b_within_half_percent_of_spec(fmt, ratio):
     rep = estimate(QWEN3_8B, fmt, ratio=ratio, other_bytes=TOKENIZER)
     gib = rep.total / 2**30
-    assert abs(gib - SPEC_FIGURES[(fmt, ratio)]) / SPEC_FIGURES[(fmt, ratio)] < 0.005, gib
+    assert abs(gib - REFERENCE_FIGURES[(fmt, ratio)]) / REFERENCE_FIGURES[(fmt, ratio)] < 0.005, gib
     assert rep.total == PINNED_TOTALS[(fmt, ratio)]
 
 
@@ -80,7 +80,7 @@ def test_mxfp4_padding_rule_and_tied_embeddings():
     ratios = {g.name: 0.125 for g in groups}
     by = {fmt: {r["members"][0]: r["K_E"] for r in build_layout(shapes, groups, ratios, fmt, True).groups} for fmt in ("nvfp4", "mxfp4")}
     q = "model.layers.0.self_attn.q_proj"
-    assert (by["nvfp4"][q], by["mxfp4"][q]) == (320, 384)  # SPEC §6: 2880 kept for NVFP4, 2944 for MXFP4
+    assert (by["nvfp4"][q], by["mxfp4"][q]) == (320, 384)  # docs/formats.md, "The extended weight (K-Ext)": 2880 kept for NVFP4, 2944 for MXFP4
     tied = estimate(cfg, "nvfp4", ratio=0.0).classes["embeddings"]
     untied = estimate({**cfg, "tie_word_embeddings": False}, "nvfp4", ratio=0.0).classes["embeddings"]
     assert untied == 2 * tied == 2 * 151936 * 2560 * 2
