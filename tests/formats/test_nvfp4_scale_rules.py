@@ -127,11 +127,13 @@ def test_mse_never_worse_than_minmax_per_block(kind, gen):
 
 
 def test_mse_lowers_the_error_of_gaussian_weights(gen):
-    """What the rule buys: about a quarter less squared error on Gaussian blocks (27 % here)."""
+    """What the rule buys: about a quarter less squared error on Gaussian blocks (27 % here). The
+    reference backend: the rule is under test here, not the compiled path (compiling it costs
+    minutes on the CI machine; the compiled path has its own equality test)."""
     x = torch.randn(256, 1024, generator=gen)
     errs = {}
     for rule in ("minmax", "mse"):
-        errs[rule] = (formats.qdq(x, "nvfp4", scale_rule=rule) - x).square().sum().item()
+        errs[rule] = (formats.qdq(x, "nvfp4", scale_rule=rule, backend="reference") - x).square().sum().item()
     assert errs["mse"] < 0.75 * errs["minmax"]
 
 
