@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from resserve_export.stages.calibrate import run as cal
 from resserve_export.observers import stats
 from resserve_export.modeling import modelio
 from resserve_export.stages.calibrate import sequential
+from resserve_export.stages.calibrate.backward import ScoreSpec  # noqa: E402
 from resserve_export.modeling.groups import group_linears, linears_of
 
 SHAPES = {
@@ -154,7 +154,7 @@ def main() -> None:
     if args.scores:
         from resserve_export.formats.constants import RATIOS
 
-        spec = sequential.ScoreSpec(list(RATIOS), "nvfp4", "ceil", "auto", args.score_samples)
+        spec = ScoreSpec(list(RATIOS), "nvfp4", "ceil", "auto", args.score_samples)
         peak_reset(args.device)
         t = time.perf_counter()
         sequential.collect_sequential(model_dir, args.device, "bfloat16", batches, groups, spill, scores=spec)

@@ -12,6 +12,8 @@ from resserve_export.core.ui import Progress, say
 from resserve_export.formats.constants import RATIOS
 from resserve_export.modeling.groups import Group
 from resserve_export.stages.calibrate import sequential
+from resserve_export.stages.calibrate.backward import ScoreSpec
+from resserve_export.stages.calibrate.shell import decoder_layers, empty_model
 from resserve_export.stages.calibrate.collected import Collected
 from resserve_export.stages.calibrate.config import CalibConfig
 from resserve_export.stages.calibrate.linears import model_groups_of
@@ -20,15 +22,15 @@ from resserve_export.storage.resume import ResumePoints
 
 def sequential_groups(model_dir, config: CalibConfig) -> tuple[list[Group], int]:
     """The decision groups and the number of decoder layers, from the weightless model."""
-    shell = sequential.empty_model(model_dir, config.dtype)
-    return model_groups_of(shell, model_dir), len(sequential.decoder_layers(shell)[1])
+    shell = empty_model(model_dir, config.dtype)
+    return model_groups_of(shell, model_dir), len(decoder_layers(shell)[1])
 
 
-def score_spec(config: CalibConfig) -> sequential.ScoreSpec | None:
+def score_spec(config: CalibConfig) -> ScoreSpec | None:
     """What ``--scores`` asks of the layer-by-layer pipeline (None: no scores)."""
     if config.scores != "grad":
         return None
-    return sequential.ScoreSpec(list(RATIOS), config.format, config.mx_scale, config.score_precision, config.score_samples)
+    return ScoreSpec(list(RATIOS), config.format, config.mx_scale, config.score_precision, config.score_samples)
 
 
 def collect_by_layer(model_dir, out, config: CalibConfig, batches, show_progress, on_batch, key: dict, resume: bool) -> Collected:

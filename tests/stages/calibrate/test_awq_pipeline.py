@@ -329,7 +329,7 @@ def test_search_rows_are_valid_tokens_only(setup):
 
 def test_awq_search_refuses_an_offloaded_model(setup):
     """Weights offloaded to disk (on the meta device) cannot be searched or smoothed: one line."""
-    from resserve_export.stages.calibrate.sequential import empty_model
+    from resserve_export.stages.calibrate.shell import empty_model
 
     _, models, _, _ = setup
     shell = empty_model(models["llama"], "bfloat16")

@@ -18,6 +18,7 @@ from resserve_export.core.errors import UserError
 from resserve_export.stages.calibrate import run as cal
 from resserve_export.stages.calibrate.config import make_config
 from resserve_export.stages.calibrate import sequential
+from resserve_export.stages.calibrate.hidden import HIDDEN_ENV
 
 from tests.fixtures.models import add_tokenizer, make_llama, make_qwen3, make_tokenized_gemma3, varied_texts, write_jsonl
 
@@ -63,7 +64,7 @@ def test_sequential_grad_scores_equal_the_whole_model_backward(setup, arch, prec
     _, texts, models = setup
     kw = {"scores": "grad", "score_samples": 5, "score_precision": precision}
     whole = _calibrate(models[arch], tmp_path / "whole", texts, "whole", **kw)
-    monkeypatch.setenv(sequential.HIDDEN_ENV, "disk")
+    monkeypatch.setenv(HIDDEN_ENV, "disk")
     seq = _calibrate(models[arch], tmp_path / "seq", texts, "sequential", **kw)
     a, b = (json.loads((d / "scores.json").read_text()) for d in (whole, seq))
     for k in ("method", "samples", "ratios", "format", "rounding", "precision", "fingerprint"):
@@ -80,7 +81,7 @@ def test_sequential_grad_scores_equal_the_whole_model_backward(setup, arch, prec
 def test_hidden_states_anywhere_give_the_same_bytes(setup, store, tmp_path, monkeypatch):
     _, texts, models = setup
     whole = _calibrate(models["llama"], tmp_path / "whole", texts, "whole", dtype="float32")
-    monkeypatch.setenv(sequential.HIDDEN_ENV, store)
+    monkeypatch.setenv(HIDDEN_ENV, store)
     seq = _calibrate(models["llama"], tmp_path / "seq", texts, "sequential", dtype="float32")
     assert (seq / "salience.safetensors").read_bytes() == (whole / "salience.safetensors").read_bytes()
     # Nothing is left next to the output: no spill directory, no temporary.
@@ -161,7 +162,7 @@ def test_sequential_peak_memory_is_a_fraction_of_whole(setup, tmp_path):
 
 def test_unknown_hidden_store_is_one_line(setup, tmp_path, monkeypatch):
     _, texts, models = setup
-    monkeypatch.setenv(sequential.HIDDEN_ENV, "ssd")
-    with pytest.raises(UserError, match=f"{sequential.HIDDEN_ENV}='ssd': use device, cpu or disk"):
+    monkeypatch.setenv(HIDDEN_ENV, "ssd")
+    with pytest.raises(UserError, match=f"{HIDDEN_ENV}='ssd': use device, cpu or disk"):
         _calibrate(models["llama"], tmp_path / "out", texts, "sequential")
     assert not (tmp_path / "out").exists()
