@@ -33,6 +33,7 @@ import torch
 
 from resserve_export.core.errors import UserError
 from resserve_export.core.names import layer_index, natural_key
+from resserve_export.modeling.families import check_tensors
 from resserve_export.modeling.groups import is_quantized, linears_from_shapes
 from resserve_export.modeling.hooks import Observer
 
@@ -75,15 +76,11 @@ def _refuse(what: str, doing: str) -> UserError:
 
 def expert_blocks(shapes: dict[str, tuple[str, tuple[int, ...]]], doing: str = "done") -> list[ExpertBlock]:
     """The expert blocks of a checkpoint from its headers, refusing any layout that cannot be
-    quantized completely: fused expert tensors on disk (gpt-oss), other 3-D weights, experts
-    whose projections are not gate / up / down, or experts of differing shapes."""
+    quantized completely: tensors the family adapters refuse or do not know
+    (`families.check_tensors`: experts fused on disk, unknown 3-D layouts), experts whose
+    projections are not gate / up / down, or experts of differing shapes."""
 
-    fused = sorted((n for n, (_, s) in shapes.items() if len(s) >= 3), key=natural_key)
-    if fused:
-        raise _refuse(
-            f"{fused[0]} is a {len(shapes[fused[0]][1])}-D tensor (fused expert weights as gpt-oss stores them, with their biases)",
-            doing,
-        )
+    check_tensors(shapes, doing)
     found: dict[str, dict[int, dict[str, tuple[str, tuple[int, ...]]]]] = {}
     for n, (dtype, shape) in shapes.items():
         m = _EXPERT_WEIGHT.match(n)

@@ -12,9 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
+from resserve_export.core.names import natural_key
+from resserve_export.modeling.families import is_exact
+
 # Never quantized (docs/formats.md, "Checkpoint directory"): embeddings, lm_head, norms, routers.
 _SKIP = re.compile(r"(^|\.)(lm_head|embed_tokens|wte|wpe|embed_out|gate|router|shared_expert_gate|mlp\.gate|block_sparse_moe\.gate)$")
-_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
+# Gated DeltaNet's input projections (Qwen3.5) read one input and are fused by vLLM into
+# in_proj_qkvz and in_proj_ba.
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"), ("in_proj_qkv", "in_proj_z"), ("in_proj_b", "in_proj_a"))
 _EXPERTS = re.compile(r"\.experts\.")
 
 
@@ -36,7 +41,9 @@ class Group:
 
 
 def is_quantized(name: str) -> bool:
-    return _SKIP.search(name) is None
+    """Whether linear `name` is quantized: not an embedding, ``lm_head`` or router, and not in a
+    part of the model that stays exact (a vision tower, a projector: `families.is_exact`)."""
+    return _SKIP.search(name) is None and not is_exact(name)
 
 
 def expert_modules(names: list[str]) -> list[str]:
@@ -85,3 +92,10 @@ def linears_from_shapes(shapes: dict[str, tuple[str, tuple[int, ...]]]) -> dict[
                 continue
             out[mod] = (shape[0], shape[1])
     return out
+
+
+def exact_linears(shapes: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
+    """The linears of the checkpoint headers `shapes` in parts of the model that stay exact (a
+    vision tower, a projector), in canonical order: named in the quantization config's ignore
+    list so that no loader quantizes them."""
+    return sorted((m for m in linears_from_shapes(shapes) if is_exact(m)), key=natural_key)

@@ -1,0 +1,93 @@
+"""Model families: one adapter per family (`Family`), each in its own module, and what the rest
+of the package asks of them: the family of a ``config.json``, whether a tensor stays exact, and
+the refusal of a checkpoint this tool cannot quantize completely, before any work.
+
+A new family is one module here (a `Family` named ``FAMILY``) added to `FAMILIES`, plus its test
+under ``tests/modeling/families/``. Families that need nothing beyond the generic decoder rules
+(every 2-D linear of the decoder layers quantized; embeddings, ``lm_head``, norms and routers
+exact) are covered by `text.FAMILY`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from resserve_export.core.errors import UserError
+from resserve_export.core.names import natural_key
+from resserve_export.modeling.families import (
+    gemma3,
+    gpt_oss,
+    llama4,
+    mistral3,
+    nemotron_h,
+    qwen3_5,
+    qwen_vl,
+    text,
+)
+from resserve_export.modeling.families.base import Family
+
+FAMILIES: tuple[Family, ...] = (
+    text.FAMILY,
+    gemma3.FAMILY,
+    qwen_vl.QWEN2_VL,
+    qwen_vl.QWEN3_VL,
+    qwen_vl.QWEN3_VL_MOE,
+    mistral3.FAMILY,
+    qwen3_5.FAMILY,
+    qwen3_5.HYBRID_TEXT,
+    nemotron_h.FAMILY,
+    llama4.FAMILY,
+    gpt_oss.FAMILY,
+)
+
+_BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
+# Tensors under these prefixes are never quantized, in any family: the names are those of
+# vision towers, projectors and audio towers, which no decoder-only model uses.
+_EXACT = re.compile("^(?:" + "|".join(sorted({p for f in FAMILIES for p in f.exact})) + r")(?:\.|$)")
+_KEPT = [(re.compile(p), what) for f in FAMILIES for p, what in f.kept]
+_REFUSED = [(re.compile(p), why) for f in FAMILIES for p, why in f.refused]
+
+
+def family_of(config: dict) -> Family:
+    """The adapter of a model's ``config.json`` (the generic decoder family when none is named)."""
+    return _BY_TYPE.get(config.get("model_type"), text.FAMILY)
+
+
+def is_exact(name: str) -> bool:
+    """Whether tensor or module `name` lies in a part of a model that is never quantized (a vision
+    tower, a multimodal projector)."""
+    return _EXACT.match(name) is not None
+
+
+def kept_as(name: str) -> str | None:
+    """What tensor `name` is when it is a known non-linear parameter copied exactly (a
+    convolution, a state-space parameter), else None."""
+    return next((what for p, what in _KEPT if p.search(name)), None)
+
+
+def check_tensors(shapes: dict[str, tuple[str, tuple[int, ...]]], doing: str = "done") -> None:
+    """Refuse, before any work, a checkpoint holding a tensor this tool cannot handle completely,
+    with one line naming the tensor and what it is: a layout a family adapter refuses (experts
+    fused on disk), or a tensor of 3 or more dimensions that is neither in an exact part of the
+    model nor a known convolution."""
+    for name in sorted(shapes, key=natural_key):
+        why = next((w for p, w in _REFUSED if p.search(name)), None)
+        if why is not None:
+            shape = list(shapes[name][1])
+            raise UserError(f"{name} is a {len(shape)}-D tensor {shape}: {why}; nothing was {doing}")
+    for name in sorted(shapes, key=natural_key):
+        shape = tuple(shapes[name][1])
+        if len(shape) < 3 or is_exact(name) or kept_as(name) is not None:
+            continue
+        raise UserError(
+            f"{name} is a {len(shape)}-D tensor {list(shape)} of a layout this tool does not know (not a linear weight, "
+            f"a known convolution or a per-expert projection): this model is not supported; nothing was {doing}"
+        )
+
+
+def check_loadable(config: dict, arch: str | None) -> bool:
+    """Whether `arch` is the wrapper class of a vision-language family (loaded with its own class)."""
+    return family_of(config).wrapper and bool(arch) and arch.endswith("ForConditionalGeneration")
+
+
+__all__ = ["FAMILIES", "Family", "family_of", "is_exact", "kept_as", "check_tensors", "check_loadable"]

@@ -1,0 +1,38 @@
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: a vision transformer (``visual.…``) and its merger around a
+Qwen2 / Qwen3 decoder. Qwen2/2.5-VL hub checkpoints name the decoder ``model.layers.…`` and the
+vision part ``visual.…``; Qwen3-VL's ``model.language_model.layers.…`` and ``model.visual.…``.
+The vision part stays exact.
+
+Qwen3-VL-MoE stores its experts fused on disk (3-D ``experts.gate_up_proj``); that layout is
+refused, naming the tensor, until experts fused on disk are supported."""
+
+from resserve_export.modeling.families.base import FUSED_EXPERTS, Family
+
+_EXACT = ("visual", r"model\.visual")
+
+QWEN2_VL = Family(
+    name="Qwen2-VL, Qwen2.5-VL (vision-language)",
+    model_types=("qwen2_vl", "qwen2_5_vl"),
+    quantized="the language model's decoder linears; vision transformer and merger exact",
+    wrapper=True,
+    exact=_EXACT,
+    test="tests/modeling/families/test_vision_language.py::test_family[qwen2_5_vl]",
+)
+
+QWEN3_VL = Family(
+    name="Qwen3-VL (vision-language, dense)",
+    model_types=("qwen3_vl",),
+    quantized="the language model's decoder linears; vision transformer, mergers and deepstack mergers exact",
+    wrapper=True,
+    exact=_EXACT,
+    test="tests/modeling/families/test_vision_language.py::test_family[qwen3_vl]",
+)
+
+QWEN3_VL_MOE = Family(
+    name="Qwen3-VL-MoE (refused: experts fused on disk)",
+    model_types=("qwen3_vl_moe",),
+    wrapper=True,
+    exact=_EXACT,
+    refused=((r"\.experts\.(gate_up_proj|down_proj)$", FUSED_EXPERTS),),
+    test="tests/modeling/families/test_refusals.py",
+)
