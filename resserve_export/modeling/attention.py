@@ -11,6 +11,7 @@ import torch
 
 from resserve_export.core.errors import UserError
 from resserve_export.core.names import natural_key
+from resserve_export.modeling.families import is_exact
 
 # transformers (3 to 5 s to import after torch, python -X importtime) is imported where the
 # observing cache is built: `size` and `inspect` read attention modules from headers alone.
@@ -18,12 +19,13 @@ from resserve_export.core.names import natural_key
 
 def attention_modules(shapes: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
     """Attention modules of a checkpoint from its headers: those with 2-D ``k_proj`` and
-    ``v_proj`` weights (model order)."""
+    ``v_proj`` weights (model order), outside the parts that stay exact (a vision tower's
+    attention has no KV cache)."""
 
     out = []
     for name, (_, shape) in shapes.items():
         m = _ATTN.match(name)
-        if m and len(shape) == 2 and len(shapes.get(f"{m['attn']}.v_proj.weight", ("", ()))[1]) == 2:
+        if m and not is_exact(name) and len(shape) == 2 and len(shapes.get(f"{m['attn']}.v_proj.weight", ("", ()))[1]) == 2:
             out.append(m["attn"])
     return sorted(out, key=natural_key)
 

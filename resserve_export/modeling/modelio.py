@@ -21,6 +21,8 @@ from safetensors import safe_open
 
 from resserve_export.core.devices import parse_device
 from resserve_export.core.errors import UserError
+from resserve_export.modeling import families
+from resserve_export.modeling.view import checkpoint_view
 from resserve_export.storage.safetensors import ST_DTYPES
 
 # transformers and huggingface_hub are imported inside the functions that load a model or a
@@ -265,27 +267,47 @@ def check_architecture(model_dir: Path, command: str) -> str:
 
     known_type = model_type in CONFIG_MAPPING_NAMES
     causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    if not known_type or (arch is not None and not (arch in causal and hasattr(transformers, arch))):
+    wrapper = families.check_loadable(cfg, arch) and hasattr(transformers, arch)
+    if not known_type or (arch is not None and not wrapper and not (arch in causal and hasattr(transformers, arch))):
         what = f"architecture {arch!r}" if arch else "no architecture"
         raise UserError(
             f"{path} names {what} (model_type {model_type!r}), which transformers {transformers.__version__} "
-            f"cannot build as a causal LM: {command} supports causal LMs transformers knows (e.g. Llama, Mistral, Qwen2, Qwen3)"
+            f"cannot build as a causal LM: {command} supports causal LMs transformers knows (e.g. Llama, Mistral, Qwen2, Qwen3) "
+            "and the vision-language families listed in the README"
         )
     return arch or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "")
 
 
+def model_class(model_dir: Path):
+    """The transformers class a model is loaded with: a vision-language family's own class
+    (``Gemma3ForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``, …; its language
+    model is what gets quantized), else ``AutoModelForCausalLM``."""
+    import transformers
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    arch = (cfg.get("architectures") or [None])[0]
+    if families.check_loadable(cfg, arch) and hasattr(transformers, arch):
+        return getattr(transformers, arch)
+    return transformers.AutoModelForCausalLM
+
+
+def _from_pretrained(model_dir: Path, **kw):
+    """The model under its checkpoint's tensor names (`view.checkpoint_view`), in eval mode."""
+    model = model_class(model_dir).from_pretrained(model_dir, **kw)
+    model.eval()
+    return checkpoint_view(model, tensor_shapes(Path(model_dir)))
+
+
 def load_model(model_dir: Path, dtype: str = "bfloat16", device_map: str | dict | None = None):
-    """AutoModelForCausalLM in eval mode (accelerate's `device_map` for offload / several GPUs)."""
-    from transformers import AutoModelForCausalLM
+    """The model in eval mode (accelerate's `device_map` for offload / several GPUs), under its
+    checkpoint's tensor names."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     kw = {"dtype": getattr(torch, dtype)}
     if device_map is not None:
         kw["device_map"] = device_map
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **kw)
-    model.eval()
-    return model
+    return _from_pretrained(model_dir, **kw)
 
 
 def load_tokenizer(model_dir: Path):
@@ -308,15 +330,11 @@ def load_model_on(model_dir: Path, device: str = "auto", dtype: str = "bfloat16"
     if d == "cpu" or (d == "auto" and not torch.cuda.is_available()):
         return load_model(model_dir, dtype)
     if d == "auto":
-        from transformers import AutoModelForCausalLM
-
         hf_logging.set_verbosity_error()
         kw = {"dtype": getattr(torch, dtype), "device_map": "auto"}
         if offload_folder is not None:
             kw["offload_folder"] = str(offload_folder)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **kw)
-        model.eval()
-        return model
+        return _from_pretrained(model_dir, **kw)
     return load_model(model_dir, dtype, device_map={"": d})
 
 

@@ -26,6 +26,7 @@ import torch
 from resserve_export.core import devices
 from resserve_export.core.errors import UserError
 from resserve_export.modeling import modelio
+from resserve_export.modeling.view import checkpoint_view
 from resserve_export.storage.reader import Reading, SlabReader, slab_bytes
 from resserve_export.storage.safetensors import SafetensorsFiles
 
@@ -43,20 +44,17 @@ def decoder_layers(model) -> tuple[str, torch.nn.ModuleList]:
 
 def empty_model(model_dir: Path, dtype: str):
     """The model with parameters on the meta device (buffers real), built as `modelio.load_model`
-    builds it."""
+    builds it (the same class, under the checkpoint's tensor names)."""
     from accelerate import init_empty_weights  # about 1 s: see the module docstring
-    from transformers import (  # about 3 s: see the module docstring
-        AutoConfig,
-        AutoModelForCausalLM,
-    )
+    from transformers import AutoConfig  # about 3 s: see the module docstring
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     cfg = AutoConfig.from_pretrained(model_dir)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+        model = modelio.model_class(model_dir).from_config(cfg, dtype=getattr(torch, dtype))
     model.eval()
-    return model
+    return checkpoint_view(model, modelio.tensor_shapes(Path(model_dir)))
 
 
 @contextmanager
