@@ -3,7 +3,8 @@ extended weight (K-Ext)").
 
 The tensor names and shapes a decoder (Llama, Mistral, Qwen2, Qwen3, and the mixtures of experts
 Qwen3-MoE and Mixtral, per-expert as their checkpoints name them) saves are derived
-from its config, then fed to the very layout function `pack` uses, so the safetensors files
+from its config (for the families with an adapter, vision-language and hybrid, from transformers'
+own model of the family built without weights), then fed to the very layout function `pack` uses, so the safetensors files
 (headers included), their index files and ``hf_quant_config.json`` are counted exactly. Per
 quantized linear ``[N, K]`` this is the formula of docs/formats.md: NVFP4 ``N·K/2 + N·K/16 + 8`` (the 8 are
 weight_scale_2 and input_scale), MXFP4 ``N·K/2 + N·K/32``; extension the same over K_E (it
@@ -18,9 +19,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from resserve_export import __version__
 from resserve_export.core.errors import UserError
+from resserve_export.modeling import families
 from resserve_export.modeling.experts import expert_blocks, routers
+from resserve_export.modeling.groups import exact_linears
 from resserve_export.stages.layout import (
     OWN_FILES,
     WEIGHT_SUFFIXES,
@@ -38,13 +43,21 @@ from resserve_export.storage.safetensors import ST_METADATA, header_bytes, index
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
 _MOE = ("qwen3_moe", "mixtral", "deepseek_v3")
 _ST_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+_ST_INT = {torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL", torch.int8: "I8"}
 
 
 def shapes_from_config(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """``{tensor name: (safetensors dtype, shape)}`` of the bf16 checkpoint `cfg` describes."""
+    """``{tensor name: (safetensors dtype, shape)}`` of the bf16 checkpoint `cfg` describes: by
+    formula for the generic decoders (`SUPPORTED`), from transformers' own model of the family
+    for the families with an adapter (`modeling.families`: vision-language, hybrid)."""
     mt = cfg.get("model_type")
+    if mt not in SUPPORTED and families.family_of(cfg) is not families.text.FAMILY:
+        return shapes_from_transformers(cfg)
     if mt not in SUPPORTED:
-        raise UserError(f"size knows the tensor layout of {', '.join(SUPPORTED)} configs, not {mt!r}: pack the model and run `inspect` instead")
+        raise UserError(
+            f"size knows the tensor layout of {', '.join(SUPPORTED)} configs and of the families in the README, not {mt!r}: "
+            "pack the model and run `inspect` instead"
+        )
     if mt not in _MOE and (cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")):
         raise UserError(f"size knows the experts of {', '.join(_MOE)} configs, not of {mt!r}: pack the model and run `inspect` instead")
     try:
@@ -87,6 +100,51 @@ def shapes_from_config(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
             out[f"{p}.self_attn.q_norm.weight"] = (dt, (hd,))
             out[f"{p}.self_attn.k_norm.weight"] = (dt, (hd,))
     return out
+
+
+def shapes_from_transformers(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The tensors a checkpoint of `cfg` holds on disk, from transformers' model of its family
+    built without weights (meta device) and named as transformers saves it (its load-time renaming
+    reversed: ``language_model.model.layers.…`` for Gemma 3, ``backbone.…`` for Nemotron-H)."""
+    import transformers  # 3-5 s: only `size` of an adapter family pays it
+    from accelerate import init_empty_weights
+    from transformers.core_model_loading import revert_weight_conversion
+
+    mt = cfg.get("model_type")
+    try:
+        config = transformers.AutoConfig.for_model(**_special_floats(cfg))
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"transformers {transformers.__version__} cannot read a {mt!r} config ({e}): pass the model's config.json") from None
+    arch = (cfg.get("architectures") or [None])[0]
+    cls = getattr(transformers, arch) if families.check_loadable(cfg, arch) and hasattr(transformers, arch) else transformers.AutoModelForCausalLM
+    with init_empty_weights(include_buffers=False):
+        model = cls._from_config(config) if cls is not transformers.AutoModelForCausalLM else cls.from_config(config)
+    # Tied parameters once, under the name save_pretrained keeps: on the meta device nothing is
+    # tied yet, so the tied targets (`lm_head.weight` for tied embeddings) are dropped by name.
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    tensors = {n: p for n, p in model.named_parameters(remove_duplicate=True) if n not in tied}
+    tensors.update({n: b for n, b in model.named_buffers() if n.rpartition(".")[2] not in _non_persistent(model, n)})
+    on_disk = revert_weight_conversion(model, tensors)
+    text = cfg.get("text_config") or {}
+    dt = _ST_DTYPE.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or text.get("dtype") or text.get("torch_dtype") or "bfloat16"), "BF16")
+    return {n: (dt if t.is_floating_point() else _ST_INT[t.dtype], tuple(t.shape)) for n, t in on_disk.items()}
+
+
+def _special_floats(obj):
+    """`obj` with the non-finite floats transformers writes into config.json as
+    ``{"__float__": "Infinity"}`` (Nemotron-H's ``time_step_limit``) read back as floats."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__float__"} and obj["__float__"] in ("Infinity", "-Infinity", "NaN"):
+            return float(obj["__float__"].lower().replace("infinity", "inf"))
+        return {k: _special_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_special_floats(v) for v in obj]
+    return obj
+
+
+def _non_persistent(model, name: str) -> set[str]:
+    owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    return set(getattr(owner, "_non_persistent_buffers_set", ()))
 
 
 def _experts(cfg: dict, layer: int, H: int, dt: str) -> list[tuple[str, int, int, bool]]:
@@ -203,7 +261,7 @@ def estimate(
     meta = len(dump_json(index_json(MODEL_PREFIX, model_shards)))
     if side_shards:
         meta += len(dump_json(index_json(SIDECAR_PREFIX, side_shards)))
-    ignore = ["lm_head", *routers(shapes, expert_blocks(shapes))]
+    ignore = ["lm_head", *routers(shapes, expert_blocks(shapes)), *exact_linears(shapes)]
     meta += sum(len(dump_json(obj)) for obj in f.extra_files(ignore, __version__, kv_cache).values())
     classes["safetensors headers"] = headers
     classes["index / quant json"] = meta
@@ -232,7 +290,7 @@ def load_config(path: str | os.PathLike) -> tuple[dict, Path | None]:
         cfg = json.loads(p.read_text())
     except ValueError:
         raise UserError(f"{p} is not valid JSON: pass the model's config.json") from None
-    if "text_config" in cfg and "hidden_size" not in cfg:
+    if "text_config" in cfg and "hidden_size" not in cfg and families.family_of(cfg) is families.text.FAMILY:
         cfg = cfg["text_config"]
     return cfg, p.parent
 

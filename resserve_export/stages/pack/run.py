@@ -36,6 +36,7 @@ from resserve_export.core.errors import UserError
 from resserve_export.core.outputs import check_out_dir, check_writable, write_dir_atomic
 from resserve_export.modeling import modelio
 from resserve_export.modeling.experts import routers
+from resserve_export.modeling.groups import exact_linears
 from resserve_export.modeling.modelio import source_dtype
 from resserve_export.stages.layout import OWN_FILES, WEIGHT_SUFFIXES, build_layout
 from resserve_export.stages.pack.inputs import PackArgs, PackInputs, check_args, kv_tensors, read_inputs
@@ -115,7 +116,7 @@ def pack(
         raise UserError(f"cannot create {out.parent}: {e.strerror or e}; choose another --out") from None
 
     # Routers stay in bf16: named so that no loader quantizes them.
-    ignore = ["lm_head", *routers(inputs.shapes, inputs.blocks)]
+    ignore = ["lm_head", *routers(inputs.shapes, inputs.blocks), *exact_linears(inputs.shapes)]
     qc = args.format.quantization_config(ignore, __version__, kv_cache)
     qc["resserve"] = resserve_section(fmt, args.rounding.value, layout.groups, _provenance(inputs, calib, ratio if plan is None else None), kv_cache)
     new_cfg = dict(inputs.config)
