@@ -1,0 +1,173 @@
+"""The model families with an adapter (vision-language wrappers, hybrid decoders), each on a tiny
+random model saved with hub-style names: calibrate -> pack (NVFP4 and MXFP4) -> size, and the
+refusals of the layouts not supported yet.
+
+Per family: the quantized linears are exactly the language model's decoder linears (the expected
+set is derived here from the tensor names, not from the adapters); every other source tensor is
+copied byte for byte (the vision tower, the projector, convolutions, state-space parameters,
+norms); the quantized ones decode with ModelOpt (NVFP4) and compressed-tensors (MXFP4) to ours;
+`size` from config.json alone equals the bytes `pack` wrote; the processor files are carried over.
+
+Four calibration samples of 32 tokens and no planner scores: what is asserted (which tensors are
+quantized, bytes, decoders) does not depend on how many tokens the statistics saw.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from resserve_export.api import calibrate
+from resserve_export.core.errors import UserError
+from resserve_export.modeling import families as fam
+from resserve_export.modeling import modelio
+from resserve_export.stages.pack.run import pack
+from resserve_export.stages.size import estimate, shapes_from_config
+from resserve_export.api import verify
+from resserve_export.storage.checkpoint import read_checkpoint
+
+from tests.fixtures.checkpoints import written_classes
+from tests.fixtures.families import EXACT, REFUSED, SUPPORTED
+from tests.fixtures.models import varied_texts, write_jsonl
+
+pytestmark = pytest.mark.xdist_group("families")
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("texts") / "t.jsonl", varied_texts(8))
+
+
+_CALIBRATED: dict[str, Path] = {}
+
+
+def calibrated(families, name: str, texts: Path, root: Path) -> Path:
+    if name not in _CALIBRATED:
+        out = root / f"calib-{name}"
+        calibrate(str(families[name]), out, dataset=str(texts), num_samples=4, seq_len=32, batch_size=2, scores="none", progress=False)
+        _CALIBRATED[name] = out
+    return _CALIBRATED[name]
+
+
+def expected_quantized(name: str, shapes) -> set[str]:
+    """The language model's decoder linears: 2-D ``.weight`` tensors inside decoder layers, outside
+    the family's exact prefixes (vision tower, projector)."""
+    out = set()
+    for k, (_, shape) in shapes.items():
+        if not k.endswith(".weight") or len(shape) != 2 or k.startswith(EXACT[name]) or ".layers." not in k:
+            continue
+        if "norm" in k.rsplit(".", 2)[-2]:
+            continue
+        out.add(k[: -len(".weight")])
+    return out
+
+
+def raw(files: list[Path]) -> dict[str, bytes]:
+    out = {}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                out[k] = h.get_tensor(k).contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes()
+    return out
+
+
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_family_packs_its_language_model_and_copies_the_rest(families, name, texts, tmp_path_factory, tmp_path):
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+    import torch
+
+    model = families[name]
+    shapes = modelio.tensor_shapes(model)
+    calib = calibrated(families, name, texts, tmp_path_factory.mktemp("c"))
+    want = expected_quantized(name, shapes)
+    got = {m for g in json.loads((calib / "calibration.json").read_text())["groups"] for m in g}
+    assert got == want and want
+
+    source = raw(modelio.weight_files(model))
+    for fmt in ("nvfp4", "mxfp4"):
+        out = pack(model, calib, tmp_path / fmt, fmt, ratio=0.25, progress=False).out
+        written = raw(modelio.weight_files(out))
+        quantized = {k for k in source if k.endswith(".weight") and k[: -len(".weight")] in want}
+        copied = set(source) - quantized
+        assert copied <= set(written) and all(written[k] == source[k] for k in copied)  # byte for byte, keys as on disk
+        assert any(k.startswith(EXACT[name]) for k in copied) or not EXACT[name]
+        ck = read_checkpoint(out)
+        assert set(ck) == want
+        cfg = json.loads((out / "config.json").read_text())
+        qc = cfg["quantization_config"]
+        ignore = qc["ignore"]
+        # every linear of the exact parts is named, so no loader quantizes it
+        exact_linears = {k[: -len(".weight")] for k, (_, s) in shapes.items() if k.startswith(EXACT[name]) and len(s) == 2 and k.endswith(".weight")
+                         and "embed" not in k}
+        assert exact_linears <= set(ignore)
+        assert json.loads((out / "preprocessor_config.json").read_text())["family"] == name
+        m = sorted(want)[0]
+        q = ck[m].base
+        if fmt == "nvfp4":
+            theirs = NVFP4QTensor(torch.Size(q.shape), torch.float32, q.codes).dequantize(
+                dtype=torch.float32, scale=q.scales, double_scale=q.global_scale, block_sizes={-1: 16})
+            assert torch.equal(q.dequantize(), theirs)
+        else:
+            qc = dict(qc)
+            qc.pop("resserve")
+            scheme = QuantizationConfig.model_validate(qc).config_groups["group_0"]
+            dec = MXFP4PackedCompressor.decompress({"weight_packed": q.codes, "weight_scale": q.scales}, scheme)
+            assert torch.equal(dec["weight"].float(), q.dequantize())
+        # size from config.json alone: every tensor as on disk, and the bytes pack wrote
+        src_cfg = json.loads((model / "config.json").read_text())
+        if name != "gemma3_v5_names":  # transformers saves hub names; this copy was renamed after saving
+            assert shapes_from_config(src_cfg) == shapes
+            rep = estimate(src_cfg, fmt, ratio=0.25)
+            w = written_classes(out)
+            assert {k: rep.classes[k] for k in w} == w
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3_5"])
+def test_verify_reads_back_a_family_checkpoint(families, name, texts, tmp_path_factory, tmp_path):
+    """verify loads the model with its own class under the checkpoint's names: the stored weights
+    equal a fresh quantization and compensation lowers the linears' output error."""
+    model = families[name]
+    calib = calibrated(families, name, texts, tmp_path_factory.mktemp("c"))
+    out = pack(model, calib, tmp_path / "ck", "nvfp4", ratio=0.25, progress=False).out
+    rep = verify(out, str(model), calib=calib, text=str(texts), samples=2, seq_len=32, device="cpu", out=tmp_path / "v")
+    assert rep.weights_match is True
+    assert rep.pooled_nmse["full"] < rep.pooled_nmse["checkpoint"] < rep.pooled_nmse["plain"]
+
+
+@pytest.mark.parametrize("name, tensor", [
+    ("llama4", "model.layers.0.feed_forward.experts.down_proj"),
+    ("qwen3_vl_moe", "model.language_model.layers.0.mlp.experts.down_proj"),
+])
+def test_experts_fused_on_disk_are_refused_naming_the_tensor(families, name, tensor, texts, tmp_path):
+    shapes = modelio.tensor_shapes(families[name])
+    with pytest.raises(UserError, match=rf"^{tensor} is a 3-D tensor \[.*experts fused on disk.*nothing was calibrated$"):
+        calibrate(str(families[name]), tmp_path / "c", dataset=str(texts), num_samples=2, seq_len=16, scores="none", progress=False)
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(UserError, match=rf"^{tensor} is a 3-D tensor"):
+        estimate(json.loads((families[name] / "config.json").read_text()), "nvfp4", ratio=0.0)
+    assert tensor + "" in shapes or any(k.startswith(tensor) for k in shapes)
+
+
+def test_unknown_layouts_are_refused_with_what_they_are():
+    """A tensor of 3 or more dimensions outside the exact parts, not a known convolution: refused
+    by name and shape; a known convolution or a vision tower's is not."""
+    fam.check_tensors({"model.layers.0.linear_attn.conv1d.weight": ("BF16", (192, 1, 4)),
+                       "backbone.layers.0.mixer.conv1d.weight": ("BF16", (96, 1, 4)),
+                       "vision_tower.embeddings.patch_embedding.weight": ("BF16", (32, 3, 8, 8)),
+                       "model.visual.patch_embed.proj.weight": ("BF16", (32, 3, 2, 16, 16))})
+    with pytest.raises(UserError, match=r"^model.layers.0.mlp.mystery.weight is a 3-D tensor \[4, 8, 8\] of a layout this tool does not know"):
+        fam.check_tensors({"model.layers.0.mlp.mystery.weight": ("BF16", (4, 8, 8))}, "packed")
+
+
+def test_every_family_names_its_test_and_model_types_once():
+    seen = set()
+    for f in fam.FAMILIES:
+        assert f.test and f.name
+        assert not seen & set(f.model_types)
+        seen |= set(f.model_types)
+    assert {"gemma3", "qwen2_5_vl", "qwen3_vl", "mistral3", "qwen3_5", "nemotron_h", "llama4", "gpt_oss"} <= seen
