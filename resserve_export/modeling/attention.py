@@ -32,9 +32,12 @@ def attention_modules(shapes: dict[str, tuple[str, tuple[int, ...]]]) -> list[st
 
 def layer_names(model) -> dict[int, str]:
     """``{layer_idx: module name}`` of the loaded model's attention layers (the index the cache
-    is updated with)."""
+    is updated with), outside the parts that stay exact (a vision tower's attention layers number
+    themselves too, but write no KV cache)."""
     out: dict[int, str] = {}
     for name, mod in model.named_modules():
+        if is_exact(name):
+            continue
         idx = getattr(mod, "layer_idx", None)
         if isinstance(idx, int) and hasattr(mod, "k_proj") and hasattr(mod, "v_proj"):
             if idx in out:

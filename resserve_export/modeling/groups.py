@@ -97,5 +97,8 @@ def linears_from_shapes(shapes: dict[str, tuple[str, tuple[int, ...]]]) -> dict[
 def exact_linears(shapes: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
     """The linears of the checkpoint headers `shapes` in parts of the model that stay exact (a
     vision tower, a projector), in canonical order: named in the quantization config's ignore
-    list so that no loader quantizes them."""
-    return sorted((m for m in linears_from_shapes(shapes) if is_exact(m)), key=natural_key)
+    list so that no loader quantizes them. Every 2-D weight there but norms: a tower's embedders
+    and patch projections are linears a loader may quantize too (vLLM's Gemma 4 quantizes
+    ``embed_vision.embedding_projection`` under compressed-tensors unless it is ignored)."""
+    mods = (k[: -len(".weight")] for k, (_, s) in shapes.items() if k.endswith(".weight") and len(s) == 2)
+    return sorted((m for m in mods if is_exact(m) and "norm" not in m.rsplit(".", 1)[-1]), key=natural_key)

@@ -291,11 +291,25 @@ def model_class(model_dir: Path):
     return transformers.AutoModelForCausalLM
 
 
+def build_empty(model_dir: Path, config, dtype: torch.dtype):
+    """The model of `config` built by its class (`model_class`) without loading weights (call it
+    under accelerate's ``init_empty_weights`` for meta parameters)."""
+    cls = model_class(model_dir)
+    return cls.from_config(config, dtype=dtype) if hasattr(cls, "from_config") else cls._from_config(config, dtype=dtype)
+
+
+def as_checkpoint(model, model_dir: Path):
+    """`model` under its checkpoint's tensor names when a family adapter covers it
+    (`view.checkpoint_view`: transformers renames some families' modules on load), else itself."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return checkpoint_view(model, tensor_shapes(Path(model_dir))) if families.has_adapter(cfg) else model
+
+
 def _from_pretrained(model_dir: Path, **kw):
-    """The model under its checkpoint's tensor names (`view.checkpoint_view`), in eval mode."""
+    """The model in eval mode, under its checkpoint's tensor names (`as_checkpoint`)."""
     model = model_class(model_dir).from_pretrained(model_dir, **kw)
     model.eval()
-    return checkpoint_view(model, tensor_shapes(Path(model_dir)))
+    return as_checkpoint(model, model_dir)
 
 
 def load_model(model_dir: Path, dtype: str = "bfloat16", device_map: str | dict | None = None):

@@ -16,6 +16,7 @@ from resserve_export.core.errors import UserError
 from resserve_export.core.names import natural_key
 from resserve_export.modeling.families import (
     gemma3,
+    gemma4,
     gpt_oss,
     llama4,
     mistral3,
@@ -29,6 +30,7 @@ from resserve_export.modeling.families.base import Family
 FAMILIES: tuple[Family, ...] = (
     text.FAMILY,
     gemma3.FAMILY,
+    gemma4.FAMILY,
     qwen_vl.QWEN2_VL,
     qwen_vl.QWEN3_VL,
     qwen_vl.QWEN3_VL_MOE,
@@ -90,4 +92,11 @@ def check_loadable(config: dict, arch: str | None) -> bool:
     return family_of(config).wrapper and bool(arch) and arch.endswith("ForConditionalGeneration")
 
 
-__all__ = ["FAMILIES", "Family", "family_of", "is_exact", "kept_as", "check_tensors", "check_loadable"]
+def has_adapter(config: dict) -> bool:
+    """Whether a family adapter (not the generic decoder rules) covers this model: it is then
+    loaded under its checkpoint's tensor names (`modeling.view`). Generic decoders keep the module
+    tree transformers builds (their experts are mapped by `modeling.experts`)."""
+    return family_of(config) is not text.FAMILY
+
+
+__all__ = ["FAMILIES", "Family", "family_of", "is_exact", "kept_as", "check_tensors", "check_loadable", "has_adapter"]

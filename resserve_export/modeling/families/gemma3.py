@@ -13,5 +13,5 @@ FAMILY = Family(
     quantized="the language model's decoder linears; vision tower and projector exact",
     wrapper=True,
     exact=("vision_tower", "multi_modal_projector", r"model\.vision_tower", r"model\.multi_modal_projector"),
-    test="tests/modeling/families/test_vision_language.py::test_family[gemma3]",
+    test="tests/modeling/families/test_families.py::test_family_packs_its_language_model_and_copies_the_rest[gemma3]",
 )

@@ -15,5 +15,5 @@ FAMILY = Family(
          "fused is not supported yet"),
         (r"\.experts\.(gate_up_proj|down_proj)$", FUSED_EXPERTS),
     ),
-    test="tests/modeling/families/test_refusals.py",
+    test="tests/stages/calibrate/test_moe_calibrate.py::test_gpt_oss_is_refused_before_any_work",
 )

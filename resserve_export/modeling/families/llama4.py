@@ -10,5 +10,5 @@ FAMILY = Family(
     wrapper=True,
     exact=("vision_model", "multi_modal_projector", r"model\.vision_model"),
     refused=((r"\.experts\.(gate_up_proj|down_proj)$", FUSED_EXPERTS),),
-    test="tests/modeling/families/test_refusals.py",
+    test="tests/modeling/families/test_families.py::test_experts_fused_on_disk_are_refused_naming_the_tensor",
 )

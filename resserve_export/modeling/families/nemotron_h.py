@@ -13,5 +13,5 @@ FAMILY = Family(
     model_types=("nemotron_h",),
     quantized="mixer in_proj / out_proj, attention and MLP linears; conv1d, A_log, D, dt_bias exact",
     kept=((r"\.mixer\.conv1d\.weight$", "is the Mamba-2 causal convolution, kept exact"),),
-    test="tests/modeling/families/test_hybrid.py::test_family[nemotron_h]",
+    test="tests/modeling/families/test_families.py::test_family_packs_its_language_model_and_copies_the_rest[nemotron_h]",
 )

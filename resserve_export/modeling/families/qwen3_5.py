@@ -23,7 +23,7 @@ FAMILY = Family(
     exact=("visual", r"model\.visual", "mtp"),
     kept=_KEPT,
     refused=((r"\.experts\.(gate_up_proj|down_proj)$", FUSED_EXPERTS),),
-    test="tests/modeling/families/test_hybrid.py::test_family[qwen3_5]",
+    test="tests/modeling/families/test_families.py::test_family_packs_its_language_model_and_copies_the_rest[qwen3_5]",
 )
 
 HYBRID_TEXT = Family(
@@ -32,5 +32,5 @@ HYBRID_TEXT = Family(
     quantized="decoder linears incl. Gated DeltaNet in/out projections; conv1d, A_log, dt_bias exact",
     exact=("mtp",),
     kept=_KEPT,
-    test="tests/modeling/families/test_hybrid.py::test_family[qwen3_5_text]",
+    test="tests/modeling/families/test_families.py::test_family_packs_its_language_model_and_copies_the_rest[qwen3_5_text]",
 )

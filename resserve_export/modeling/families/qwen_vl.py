@@ -16,7 +16,7 @@ QWEN2_VL = Family(
     quantized="the language model's decoder linears; vision transformer and merger exact",
     wrapper=True,
     exact=_EXACT,
-    test="tests/modeling/families/test_vision_language.py::test_family[qwen2_5_vl]",
+    test="tests/modeling/families/test_families.py::test_family_packs_its_language_model_and_copies_the_rest[qwen2_5_vl]",
 )
 
 QWEN3_VL = Family(
@@ -25,7 +25,7 @@ QWEN3_VL = Family(
     quantized="the language model's decoder linears; vision transformer, mergers and deepstack mergers exact",
     wrapper=True,
     exact=_EXACT,
-    test="tests/modeling/families/test_vision_language.py::test_family[qwen3_vl]",
+    test="tests/modeling/families/test_families.py::test_family_packs_its_language_model_and_copies_the_rest[qwen3_vl]",
 )
 
 QWEN3_VL_MOE = Family(
@@ -34,5 +34,5 @@ QWEN3_VL_MOE = Family(
     wrapper=True,
     exact=_EXACT,
     refused=((r"\.experts\.(gate_up_proj|down_proj)$", FUSED_EXPERTS),),
-    test="tests/modeling/families/test_refusals.py",
+    test="tests/modeling/families/test_families.py::test_experts_fused_on_disk_are_refused_naming_the_tensor",
 )

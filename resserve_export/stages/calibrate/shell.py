@@ -26,7 +26,6 @@ import torch
 from resserve_export.core import devices
 from resserve_export.core.errors import UserError
 from resserve_export.modeling import modelio
-from resserve_export.modeling.view import checkpoint_view
 from resserve_export.storage.reader import Reading, SlabReader, slab_bytes
 from resserve_export.storage.safetensors import SafetensorsFiles
 
@@ -52,9 +51,9 @@ def empty_model(model_dir: Path, dtype: str):
     hf_logging.set_verbosity_error()
     cfg = AutoConfig.from_pretrained(model_dir)
     with init_empty_weights(include_buffers=False):
-        model = modelio.model_class(model_dir).from_config(cfg, dtype=getattr(torch, dtype))
+        model = modelio.build_empty(model_dir, cfg, getattr(torch, dtype))
     model.eval()
-    return checkpoint_view(model, modelio.tensor_shapes(Path(model_dir)))
+    return modelio.as_checkpoint(model, model_dir)
 
 
 @contextmanager

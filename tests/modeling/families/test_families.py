@@ -57,7 +57,8 @@ def expected_quantized(name: str, shapes) -> set[str]:
     the family's exact prefixes (vision tower, projector)."""
     out = set()
     for k, (_, shape) in shapes.items():
-        if not k.endswith(".weight") or len(shape) != 2 or k.startswith(EXACT[name]) or ".layers." not in k:
+        model_level = k.endswith("per_layer_model_projection.weight")  # Gemma 4: vLLM quantizes it too
+        if not k.endswith(".weight") or len(shape) != 2 or k.startswith(EXACT[name]) or (".layers." not in k and not model_level):
             continue
         if "norm" in k.rsplit(".", 2)[-2]:
             continue
@@ -101,9 +102,9 @@ def test_family_packs_its_language_model_and_copies_the_rest(families, name, tex
         cfg = json.loads((out / "config.json").read_text())
         qc = cfg["quantization_config"]
         ignore = qc["ignore"]
-        # every linear of the exact parts is named, so no loader quantizes it
+        # every linear of the exact parts (embedders and patch projections included) is named, so no loader quantizes it
         exact_linears = {k[: -len(".weight")] for k, (_, s) in shapes.items() if k.startswith(EXACT[name]) and len(s) == 2 and k.endswith(".weight")
-                         and "embed" not in k}
+                         and "norm" not in k.rsplit(".", 2)[-2]}
         assert exact_linears <= set(ignore)
         assert json.loads((out / "preprocessor_config.json").read_text())["family"] == name
         m = sorted(want)[0]
@@ -127,7 +128,7 @@ def test_family_packs_its_language_model_and_copies_the_rest(families, name, tex
             assert {k: rep.classes[k] for k in w} == w
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen3_5"])
+@pytest.mark.parametrize("name", ["gemma3", "gemma4", "qwen3_5"])
 def test_verify_reads_back_a_family_checkpoint(families, name, texts, tmp_path_factory, tmp_path):
     """verify loads the model with its own class under the checkpoint's names: the stored weights
     equal a fresh quantization and compensation lowers the linears' output error."""
@@ -165,9 +166,17 @@ def test_unknown_layouts_are_refused_with_what_they_are():
 
 
 def test_every_family_names_its_test_and_model_types_once():
+    """Each adapter's `test` is a test that exists (file, function, and a family parameter of the
+    tests here), so README's table, built from them, points at real proofs."""
+    root = Path(__file__).resolve().parents[3]
     seen = set()
     for f in fam.FAMILIES:
-        assert f.test and f.name
+        assert f.name
+        path, _, node = f.test.partition("::")
+        assert (root / path).is_file(), f.test
+        func, _, param = node.partition("[")
+        assert not func or f"def {func}(" in (root / path).read_text(), f.test
+        assert not param or param.rstrip("]") in SUPPORTED + REFUSED, f.test
         assert not seen & set(f.model_types)
         seen |= set(f.model_types)
     assert {"gemma3", "qwen2_5_vl", "qwen3_vl", "mistral3", "qwen3_5", "nemotron_h", "llama4", "gpt_oss"} <= seen
