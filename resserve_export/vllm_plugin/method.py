@@ -142,6 +142,8 @@ class ResServeConfig(QuantizationConfig):
         self.inner = get_quantization_config(self.format.stock_method).from_config(inner_cfg)
         self.rounding = ScaleRounding(self.section.get("mx_scale_rounding") or "ceil")
         self.groups: dict[str, dict] = {m: g for g in self.section["groups"] for m in g["members"]}
+        # vLLM module name -> checkpoint module name, where the model renames (`apply_vllm_mapper`)
+        self.checkpoint_names: dict[str, str] = {}
         self._sidecar: Sidecar | None = None
 
     # -- QuantizationConfig interface ------------------------------------------------------
@@ -173,7 +175,16 @@ class ResServeConfig(QuantizationConfig):
         return NAME
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        """The groups under the vLLM model's module names (vLLM maps some families' checkpoint
+        names, e.g. Nemotron-H's ``backbone.`` to ``model.``), each member keeping its checkpoint
+        name for its sidecar tensors."""
         self.inner.apply_vllm_mapper(hf_to_vllm_mapper)
+        groups, names = {}, {}
+        for m, g in self.groups.items():
+            v = hf_to_vllm_mapper.map_name(m)
+            if v is not None:
+                groups[v], names[v] = g, self.checkpoint_names.get(m, m)
+        self.groups, self.checkpoint_names = groups, names
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         self.inner.packed_modules_mapping = self.packed_modules_mapping
@@ -211,6 +222,7 @@ class ResServeConfig(QuantizationConfig):
         """A (fused) linear's weight for :func:`quantized_matmul`: the stored base `base` (the
         members' rows in order) with the members' sidecar mask and K-Ext extension."""
         side = self.sidecar
+        members = [self.checkpoint_names.get(m, m) for m in members]  # the sidecar's names
         mask = None
         w_ext = None
         if ratio > 0:

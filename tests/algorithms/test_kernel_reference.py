@@ -15,7 +15,6 @@ from resserve_export.formats.nvfp4 import global_scale
 
 from tests.fixtures.kernel_inputs import adversarial, random_mask
 
-torch.set_num_threads(2)
 
 
 def kernel_e2m1_magnitude(a: torch.Tensor) -> torch.Tensor:

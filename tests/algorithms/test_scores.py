@@ -16,7 +16,6 @@ from resserve_export.algorithms.emulate import EmulatedLinear, QuantizedWeight, 
 from resserve_export.modeling.groups import group_linears, linears_of
 from resserve_export.algorithms.selection import mode_of
 
-torch.set_num_threads(2)
 RATIOS = (0.0, 0.125, 0.25, 0.5, 1.0)
 
 

@@ -17,7 +17,6 @@ from resserve_export.formats.nvfp4 import global_scale
 
 from tests.fixtures.kernel_inputs import adversarial, random_mask
 
-torch.set_num_threads(2)
 GPU = pytest.mark.skipif(
     not kernel.KERNEL_AVAILABLE, reason=f"needs a CUDA GPU (sm_90 Hopper or newer) and nvcc: {kernel.KERNEL_UNAVAILABLE_REASON}"
 )

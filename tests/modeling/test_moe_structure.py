@@ -17,7 +17,6 @@ from tests.fixtures.moe import ARCHS
 # under pytest-xdist (--dist loadgroup) every MoE test runs on one worker.
 pytestmark = pytest.mark.xdist_group("moe")
 
-torch.set_num_threads(2)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -28,7 +28,6 @@ from tests.fixtures.moe import ARCHS, CUDA, TOP_K, calibrated, moe_config
 # under pytest-xdist (--dist loadgroup) every MoE test runs on one worker.
 pytestmark = pytest.mark.xdist_group("moe")
 
-torch.set_num_threads(2)
 
 
 def _oracle(moe, arch: str, mode: str, device: str = "cpu") -> tuple[dict, dict, int]:

@@ -24,7 +24,6 @@ from resserve_export.storage.resume import RESUME_ENV, state_dir
 from tests.fixtures.models import make_llama, make_qwen3, varied_texts, write_jsonl
 
 
-torch.set_num_threads(2)
 EXE = str(Path(sys.executable).parent / "resserve-export")
 LAYERS = 3  # make_qwen3
 

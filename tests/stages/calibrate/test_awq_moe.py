@@ -49,7 +49,6 @@ from tests.fixtures.tensors import bits
 pytestmark = pytest.mark.xdist_group("moe")
 
 
-torch.set_num_threads(2)
 ARCHS = ["qwen3_moe", "mixtral", "deepseek_v3", "qwen2_moe"]
 AWQ_TOKENS = 128
 

@@ -36,7 +36,6 @@ from tests.fixtures.checkpoints import source_tensors
 from tests.fixtures.models import make_llama, make_tokenized_gemma3, make_tokenized_qwen2_mha, varied_texts, write_jsonl
 
 
-torch.set_num_threads(2)
 
 
 ARCHS = ("llama", "gemma3", "qwen2_mha")

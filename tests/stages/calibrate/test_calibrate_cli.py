@@ -17,7 +17,6 @@ from resserve_export.modeling.groups import group_linears, linears_from_shapes
 from tests.fixtures.models import make_llama, varied_texts, write_jsonl
 
 
-torch.set_num_threads(2)
 
 
 def cli(*args: str) -> int:

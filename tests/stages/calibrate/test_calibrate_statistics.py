@@ -23,7 +23,6 @@ from resserve_export.modeling.groups import group_linears, is_quantized, linears
 
 from tests.fixtures.models import make_llama, varied_texts, write_jsonl
 
-torch.set_num_threads(2)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ from tests.fixtures.tiny import make_calibration
 # under pytest-xdist (--dist loadgroup) every MoE test runs on one worker.
 pytestmark = pytest.mark.xdist_group("moe")
 
-torch.set_num_threads(2)
 
 
 def test_qwen2_moe_shared_expert_and_its_gate(moe, tmp_path):

@@ -23,7 +23,6 @@ from resserve_export.stages.calibrate.hidden import HIDDEN_ENV
 from tests.fixtures.models import add_tokenizer, make_llama, make_qwen3, make_tokenized_gemma3, varied_texts, write_jsonl
 
 
-torch.set_num_threads(2)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,6 @@ from tests.fixtures.tensors import bits
 # under pytest-xdist (--dist loadgroup) every MoE test runs on one worker.
 pytestmark = pytest.mark.xdist_group("moe")
 
-torch.set_num_threads(2)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])

@@ -19,7 +19,6 @@ from tests.fixtures.tensors import bits
 # under pytest-xdist (--dist loadgroup) every MoE test runs on one worker.
 pytestmark = pytest.mark.xdist_group("moe")
 
-torch.set_num_threads(2)
 
 
 def test_plan_without_scores_says_what_to_do(moe, tmp_path):

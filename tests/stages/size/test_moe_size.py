@@ -22,7 +22,6 @@ from tests.fixtures.tiny import make_calibration
 # under pytest-xdist (--dist loadgroup) every MoE test runs on one worker.
 pytestmark = pytest.mark.xdist_group("moe")
 
-torch.set_num_threads(2)
 
 
 @pytest.mark.parametrize("fmt,ratio", [("nvfp4", 0.25), ("mxfp4", 0.125), ("nvfp4", 0.0)])

@@ -33,7 +33,6 @@ from resserve_export.stages.pack.run import pack
 from tests.fixtures.models import make_llama, varied_texts, write_jsonl
 from tests.fixtures.tiny import make_calibration
 
-torch.set_num_threads(2)
 
 Q = "model.layers.0.self_attn.q_proj"
 DOWN = "model.layers.1.mlp.down_proj"
