@@ -278,24 +278,30 @@ def check_architecture(model_dir: Path, command: str) -> str:
     return arch or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "")
 
 
-def model_class(model_dir: Path):
-    """The transformers class a model is loaded with: a vision-language family's own class
-    (``Gemma3ForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``, …; its language
-    model is what gets quantized), else ``AutoModelForCausalLM``."""
+def class_for(cfg: dict):
+    """The transformers class a model of ``config.json`` `cfg` is built with: a vision-language
+    family's own class (``Gemma3ForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``,
+    …; its language model is what gets quantized), else ``AutoModelForCausalLM``."""
     import transformers
 
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
     arch = (cfg.get("architectures") or [None])[0]
     if families.check_loadable(cfg, arch) and hasattr(transformers, arch):
         return getattr(transformers, arch)
     return transformers.AutoModelForCausalLM
 
 
-def build_empty(model_dir: Path, config, dtype: torch.dtype):
-    """The model of `config` built by its class (`model_class`) without loading weights (call it
-    under accelerate's ``init_empty_weights`` for meta parameters)."""
-    cls = model_class(model_dir)
-    return cls.from_config(config, dtype=dtype) if hasattr(cls, "from_config") else cls._from_config(config, dtype=dtype)
+def model_class(model_dir: Path):
+    """`class_for` the model in `model_dir`."""
+    return class_for(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
+def build_empty(cfg: dict, config, dtype: torch.dtype | None = None):
+    """The model of ``config.json`` `cfg` (transformers' `config` object of it) built by its class
+    (`class_for`) without loading weights: call it under accelerate's ``init_empty_weights`` for
+    meta parameters. A family's own class has ``_from_config`` only; the auto class ``from_config``."""
+    cls = class_for(cfg)
+    kw = {} if dtype is None else {"dtype": dtype}
+    return cls.from_config(config, **kw) if hasattr(cls, "from_config") else cls._from_config(config, **kw)
 
 
 def as_checkpoint(model, model_dir: Path):

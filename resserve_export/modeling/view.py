@@ -135,7 +135,3 @@ def checkpoint_view(model, checkpoint_names) -> torch.nn.Module:
         return model
     return CheckpointView(model, where)
 
-
-def unwrap(model):
-    """The transformers model behind a `CheckpointView` (the model itself otherwise)."""
-    return model.wrapped if isinstance(model, CheckpointView) else model

@@ -23,7 +23,7 @@ import torch
 
 from resserve_export import __version__
 from resserve_export.core.errors import UserError
-from resserve_export.modeling import families
+from resserve_export.modeling import families, modelio
 from resserve_export.modeling.experts import expert_blocks, routers
 from resserve_export.modeling.groups import exact_linears
 from resserve_export.stages.layout import (
@@ -51,7 +51,7 @@ def shapes_from_config(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
     formula for the generic decoders (`SUPPORTED`), from transformers' own model of the family
     for the families with an adapter (`modeling.families`: vision-language, hybrid)."""
     mt = cfg.get("model_type")
-    if mt not in SUPPORTED and families.family_of(cfg) is not families.text.FAMILY:
+    if mt not in SUPPORTED and families.has_adapter(cfg):
         return shapes_from_transformers(cfg)
     if mt not in SUPPORTED:
         raise UserError(
@@ -115,10 +115,8 @@ def shapes_from_transformers(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]
         config = transformers.AutoConfig.for_model(**_special_floats(cfg))
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"transformers {transformers.__version__} cannot read a {mt!r} config ({e}): pass the model's config.json") from None
-    arch = (cfg.get("architectures") or [None])[0]
-    cls = getattr(transformers, arch) if families.check_loadable(cfg, arch) and hasattr(transformers, arch) else transformers.AutoModelForCausalLM
     with init_empty_weights(include_buffers=False):
-        model = cls._from_config(config) if cls is not transformers.AutoModelForCausalLM else cls.from_config(config)
+        model = modelio.build_empty(cfg, config)
     # Tied parameters once, under the name save_pretrained keeps: on the meta device nothing is
     # tied yet, so the tied targets (`lm_head.weight` for tied embeddings) are dropped by name.
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
@@ -290,7 +288,7 @@ def load_config(path: str | os.PathLike) -> tuple[dict, Path | None]:
         cfg = json.loads(p.read_text())
     except ValueError:
         raise UserError(f"{p} is not valid JSON: pass the model's config.json") from None
-    if "text_config" in cfg and "hidden_size" not in cfg and families.family_of(cfg) is families.text.FAMILY:
+    if "text_config" in cfg and "hidden_size" not in cfg and not families.has_adapter(cfg):
         cfg = cfg["text_config"]
     return cfg, p.parent
 

@@ -51,7 +51,7 @@ def empty_model(model_dir: Path, dtype: str):
     hf_logging.set_verbosity_error()
     cfg = AutoConfig.from_pretrained(model_dir)
     with init_empty_weights(include_buffers=False):
-        model = modelio.build_empty(model_dir, cfg, getattr(torch, dtype))
+        model = modelio.build_empty(cfg.to_dict(), cfg, getattr(torch, dtype))
     model.eval()
     return modelio.as_checkpoint(model, model_dir)
 
