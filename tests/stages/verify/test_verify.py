@@ -134,13 +134,15 @@ def test_cli_errors_are_one_line(tiny_ckpt, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_smollm2_direction_on_real_inputs():
-    """Real SmolLM2 inputs (held-out plays), selection from calibration-split salience."""
+    """Real SmolLM2 inputs (held-out plays), selection from calibration-split salience. The model
+    runs in float32 (its weights are the bf16 checkpoint's values): the NMSE ordering asserted
+    here is the quantizer's, and bf16 GEMMs are slow on CPUs without AVX512-BF16 or AMX."""
     from resserve_export.modeling import data
     from resserve_export.observers.stats import collect
     from resserve_export.modeling.groups import group_linears, linears_of
 
     model_dir = modelio.resolve_model(str(modelio.default_model()))
-    net = modelio.load_model(model_dir)
+    net = modelio.load_model(model_dir, dtype="float32")
     tok = modelio.load_tokenizer(model_dir)
     groups = [g for g in group_linears(linears_of(net)) if g.modules[0].startswith(("model.layers.3.", "model.layers.20."))]
     cal = data.batches(data.make_samples(tok, data.load_documents("shakespeare:calib"), 8, 128, 1), 4)
