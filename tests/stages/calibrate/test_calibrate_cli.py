@@ -201,3 +201,15 @@ def test_sequential_pipeline_through_the_cli(tiny, tmp_path, texts):
     cli_ok(*base(tiny, tmp_path / "whole", texts), "--scores", "none", "--pipeline", "whole")
     assert (tmp_path / "seq" / "salience.safetensors").read_bytes() == (tmp_path / "whole" / "salience.safetensors").read_bytes()
     assert json.loads((tmp_path / "seq" / "calibration.json").read_text())["pipeline"] == "sequential"
+
+
+@pytest.mark.parametrize("fast, dtype, noted", [(False, "bfloat16", True), (False, "float32", False), (True, "bfloat16", False)])
+def test_slow_bf16_cpu_is_noted(tiny, tmp_path, texts, capsys, monkeypatch, fast, dtype, noted):
+    """On a CPU without AVX512-BF16 or AMX a bf16 run says once that float32 is faster there."""
+    monkeypatch.setattr(cal, "fast_bf16", lambda device: fast)
+    argv = [a for a in base(tiny, tmp_path / "out", texts) if a != "-q"]
+    cli_ok(*argv, "--scores", "none", "--dtype", dtype)
+    err = capsys.readouterr().err
+    assert err.count("no AVX512-BF16 or AMX") == (1 if noted else 0), err
+    if noted:
+        assert "--dtype float32 calibrates faster" in err
