@@ -15,6 +15,8 @@ from resserve_export.observers.finite import finite_each
 # Rows of sorted (token, expert) pairs reduced at a time into per-expert statistics (bounds the
 # float32 temporaries: 65,536 rows of a 4,096-wide input are 1 GiB).
 STATS_ROWS = 1 << 16
+# Bytes of the gate/up products that ``--moe-calib all`` holds at a time (experts per batched GEMM).
+EXPERT_CHUNK_BYTES = 1 << 30
 
 
 def _grouped_mm(x, w, offs):
@@ -78,6 +80,33 @@ def _segment_stats_gemm(rows, weight, lengths, acc_sum, acc_amax) -> None:
         acc_sum += onehot @ a.to(torch.float64)
         peak = torch.zeros(E, dtype=torch.float32, device=dev).scatter_reduce_(0, owner[r0:r1], a.amax(1).float() * w.float(), "amax")
         acc_amax.copy_(torch.maximum(acc_amax, peak))
+
+
+def every_expert_stats(mod, x, acc_sum, acc_amax, chunk_bytes: int = EXPERT_CHUNK_BYTES) -> None:
+    """``--moe-calib all``: Σ|act(gate)·up| and its amax for every expert on every row of ``x``,
+    the experts taken `chunk_bytes` of products at a time, each chunk's gate/up products one batched
+    GEMM over its experts (one launch, not one per expert). On a GPU the chunk's statistics are
+    two reductions over its rows (float64 sums: exact for bf16 / fp16 products, so in any order
+    the one-hot product of `_segment_stats_gemm` gives); on the CPU each expert's rows go
+    through `_segment_stats`, whose float32 reduction fixes the order."""
+
+    w = mod.gate_up_proj  # [E, 2I, H]
+    E, n = w.shape[0], x.shape[0]
+    per_expert = max(1, n * w.shape[1] * 2 * x.element_size())  # the gate/up product and act·up
+    step = max(1, min(E, chunk_bytes // per_expert))
+    ones = torch.ones(n, dtype=torch.bool, device=x.device)
+    seg = torch.full((1,), n, dtype=torch.int64, device=x.device)
+    for e0 in range(0, E, step):
+        e1 = min(E, e0 + step)
+        gate, up = torch.matmul(x, w[e0:e1].transpose(-2, -1)).chunk(2, dim=-1)
+        h = mod.act_fn(gate) * up  # [experts, rows, I]
+        if x.device.type == "cpu":
+            for c in range(e1 - e0):
+                _segment_stats(h[c], ones, seg, acc_sum[e0 + c : e0 + c + 1], acc_amax[e0 + c : e0 + c + 1])
+            continue
+        acc_sum[e0:e1] += torch.linalg.vector_norm(h, ord=1, dim=1, dtype=torch.float64)
+        peak = torch.linalg.vector_norm(h, ord=float("inf"), dim=(1, 2)).float()
+        acc_amax[e0:e1] = torch.maximum(acc_amax[e0:e1], peak)
 
 
 def _install(mod, forward) -> tuple[str, object]:
@@ -215,9 +244,7 @@ class ExpertCollector(Observer):
                     _segment_stats(everyone, ones, seg, one, peak)
                     acc["sum_in"] += one
                     acc["amax_in"].copy_(torch.maximum(acc["amax_in"], peak))
-                    for e in range(E):
-                        g_all, u_all = (everyone @ mod.gate_up_proj[e].t()).chunk(2, dim=-1)
-                        _segment_stats(mod.act_fn(g_all) * u_all, ones, seg, acc["sum_mid"][e : e + 1], acc["amax_mid"][e : e + 1])
+                    every_expert_stats(mod, everyone, acc["sum_mid"], acc["amax_mid"])
                     acc["rows"] += n
             return out
 

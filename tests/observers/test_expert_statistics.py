@@ -298,3 +298,39 @@ def test_triton_segment_statistics_equal_the_exact_sums():
     s, m = torch.zeros(E, K, dtype=torch.float64, device="cuda"), torch.zeros(E, device="cuda")
     segment_stats.segment_stats(rows.cuda(), keep.cuda(), ends.cuda(), s, m)
     assert torch.isnan(s[5, 7]) and m[5] == float("inf") and torch.isfinite(m[[0, 2, 6, 7]]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_every_expert_chunks_equal_the_per_expert_loop(device, dtype):
+    """``--moe-calib all``'s batched GEMMs over chunks of experts give the statistics of one GEMM
+    per expert bit for bit (the loop the collector ran before), for every chunk size: one expert,
+    several chunks with a remainder, all experts at once. The loop reduces as the collector always
+    did: in float32 by `torch.segment_reduce` on the CPU, exactly (float64) on a GPU."""
+    from resserve_export.observers.experts import every_expert_stats
+
+    g = torch.Generator().manual_seed(3)
+    E, n, H, I = 7, 37, 64, 48
+    mod = torch.nn.Module()
+    mod.gate_up_proj = torch.nn.Parameter((torch.randn(E, 2 * I, H, generator=g) / 8).to(dtype).to(device), requires_grad=False)
+    mod.act_fn = F.silu
+    x = (torch.randn(n, H, generator=g) * torch.rand(H, generator=g) * 4).to(dtype).to(device)
+
+    ref_sum = torch.zeros(E, I, dtype=torch.float64)
+    ref_amax = torch.zeros(E, dtype=torch.float32)
+    for e in range(E):
+        gate, up = (x @ mod.gate_up_proj[e].t()).chunk(2, dim=-1)
+        a = (F.silu(gate) * up).abs()
+        if device == "cpu":
+            s = torch.segment_reduce(a.float(), "sum", lengths=torch.tensor([n]), axis=0, initial=0)[0].double()
+        else:
+            s = a.double().sum(0)
+        ref_sum[e], ref_amax[e] = s.cpu(), a.amax().float().cpu()
+
+    per_expert = n * 2 * I * 2 * x.element_size()
+    for chunk in (1, 3 * per_expert, 1 << 30):
+        acc_sum = torch.zeros(E, I, dtype=torch.float64, device=device)
+        acc_amax = torch.zeros(E, dtype=torch.float32, device=device)
+        every_expert_stats(mod, x, acc_sum, acc_amax, chunk_bytes=chunk)
+        assert torch.equal(acc_sum.cpu(), ref_sum), chunk
+        assert torch.equal(acc_amax.cpu(), ref_amax), chunk
