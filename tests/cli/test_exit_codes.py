@@ -25,7 +25,7 @@ import torch
 from resserve_export.core.ui import LOG_SECONDS_ENV, TEST_STEP_DELAY_ENV
 from resserve_export.stages.pack.run import pack
 
-from tests.fixtures.console import EXE, assert_one_line_error, leftovers, run
+from tests.fixtures.console import EXE, assert_one_line_error, default_sigint, leftovers, run, run_main
 from tests.fixtures.models import make_llama, varied_texts, write_jsonl
 from tests.fixtures.tiny import make_calibration, make_scores
 
@@ -60,7 +60,7 @@ def packed(llama, tmp_path_factory) -> tuple[Path, Path]:
 def interrupt_when(args: list[str], ready: str, cwd: Path, timeout: float = 300) -> tuple[int, str]:
     """Start the command, send SIGINT once `ready` appears on its stderr, return (code, stderr)."""
     env = {**os.environ, LOG_SECONDS_ENV: "0", TEST_STEP_DELAY_ENV: "0.5"}
-    p = subprocess.Popen([EXE, *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([EXE, *args], cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     lines: list[str] = []
     seen = threading.Event()
 
@@ -151,6 +151,7 @@ def unwritable(tmp_path: Path) -> list[Path]:
     return [blocker / "out", Path("/proc/resserve-no-such-dir/out")]
 
 
+@pytest.mark.slow
 def test_unwritable_out_is_refused_before_any_work(llama, packed, texts, tmp_path):
     calib, ckpt = packed
     for out in unwritable(tmp_path):
@@ -210,11 +211,14 @@ def test_calibrate_removes_temporaries_of_killed_runs(llama, texts, tmp_path):
 
 
 def test_help_shows_defaults_and_no_bool_placeholder():
+    # Every command's help through cli.main in this process; the installed script once (below).
     for cmd in ("calibrate", "plan", "pack", "verify", "size", "inspect"):
-        p = run(cmd, "--help", env={"COLUMNS": "200"})
+        p = run_main(cmd, "--help", env={"COLUMNS": "200"})
         assert p.returncode == 0, p.stderr
-        assert "<bool>" not in p.stdout, cmd
-    text = run("calibrate", "--help", env={"COLUMNS": "200"}).stdout
+        assert "Usage:" in p.stdout and "<bool>" not in p.stdout, cmd
+    p = run("calibrate", "--help", env={"COLUMNS": "200"})
+    assert p.returncode == 0 and "<bool>" not in p.stdout, p.stderr
+    text = p.stdout
     for default in ("[default: paper]", "[default: 1024 (paper preset)]", "[default: 2048 (paper preset)]", "[default: grad]",
                     "[default: 32 (paper preset)]", "[default: nvfp4]", "[default: ceil]"):
         assert default in text, default
@@ -230,6 +234,7 @@ def test_progress_lines_when_piped(llama, texts, tmp_path):
     assert any(l.startswith("scoring (grad") for l in p.stderr.splitlines()), p.stderr
 
 
+@pytest.mark.slow
 def test_readme_usage_lines_run_as_written(llama, texts, tmp_path):
     """calibrate -> plan -> pack of the README's Usage block, MODEL replaced by a tiny model and
     calibrate shortened (its defaults are the published protocol); every other flag as written."""

@@ -21,6 +21,7 @@ from resserve_export.stages.calibrate.config import make_config
 from resserve_export.core.errors import UserError
 from resserve_export.storage.resume import RESUME_ENV, state_dir
 
+from tests.fixtures.console import default_sigint
 from tests.fixtures.models import make_llama, make_qwen3, varied_texts, write_jsonl
 
 
@@ -184,12 +185,13 @@ def _wait_for_point(state: Path, proc: subprocess.Popen, ok) -> None:
     raise AssertionError("no resume point in time")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, phase", [(signal.SIGKILL, "forward"), (signal.SIGKILL, "backward"), (signal.SIGINT, "forward")])
 def test_a_killed_process_resumes_through_the_cli(setup, reference, sig, phase, tmp_path):
     model, texts = setup
     out = tmp_path / "calib"
     env = {**os.environ, RESUME_ENV: "0", "RESSERVE_TEST_STEP_DELAY": "0.5", "RESSERVE_LOG_SECONDS": "0"}
-    proc = subprocess.Popen(_cli(model, texts, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(_cli(model, texts, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=default_sigint)
     _wait_for_point(state_dir(out), proc, lambda m: m["phase"] == phase and (phase == "backward" or m["layer"] >= 0))
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
