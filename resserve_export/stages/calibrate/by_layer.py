@@ -15,7 +15,7 @@ from resserve_export.stages.calibrate import sequential
 from resserve_export.stages.calibrate.backward import ScoreSpec
 from resserve_export.stages.calibrate.shell import decoder_layers, empty_model
 from resserve_export.stages.calibrate.collected import Collected
-from resserve_export.stages.calibrate.config import CalibConfig
+from resserve_export.stages.calibrate.config import CalibConfig, note_slow_bf16
 from resserve_export.stages.calibrate.linears import model_groups_of
 from resserve_export.storage.resume import ResumePoints
 
@@ -40,6 +40,8 @@ def collect_by_layer(model_dir, out, config: CalibConfig, batches, show_progress
     groups, n_layers = sequential_groups(model_dir, config)
     out.absolute().parent.mkdir(parents=True, exist_ok=True)
     points = ResumePoints.open(out, {**key, "groups": [list(g.modules) for g in groups]}, resume, say=say)
+    if show_progress:
+        note_slow_bf16(config)
     spill = temp_sibling(out, "offload")
     passes = n_layers * (2 if config.scores == "grad" else 1)
     try:

@@ -26,12 +26,10 @@ from pathlib import Path
 
 import torch
 
-from resserve_export.algorithms.scores.device import fast_bf16
 from resserve_export.core import devices
 from resserve_export.core.distributed import Ranks, world_size
 from resserve_export.core.errors import UserError
 from resserve_export.core.outputs import check_out_dir, clean_stale, write_dir_atomic
-from resserve_export.core.ui import say
 from resserve_export.modeling import data, modelio
 from resserve_export.modeling.experts import expert_blocks
 from resserve_export.observers import kv as kvcache
@@ -85,8 +83,6 @@ def calibrate(
     check_out_dir(out, overwrite)
     clean_stale(out)
     devices.parse_device(config.device)
-    if show_progress and world_size() <= 1:
-        _note_slow_bf16(config)
     model_dir = modelio.resolve_model(model)
     modelio.check_architecture(model_dir, "calibrate")
     shapes = modelio.tensor_shapes(model_dir)
@@ -147,17 +143,6 @@ def calibrate(
         path, record["model"], fingerprint, [tuple(g) for g in record["groups"]], record["num_samples"], got.num_tokens,
         config.scores, record["wall_time_s"], record,
     )
-
-
-def _note_slow_bf16(config: CalibConfig) -> None:
-    """A CPU without AVX512-BF16 or AMX runs bf16 GEMMs several times slower than float32 ones
-    (SmolLM2-135M's quick preset: 526 s against 61 s on a 2-core AVX2 machine): say so once."""
-    device = devices.resolve_device(config.device)
-    if device.type == "cpu" and config.dtype == "bfloat16" and not fast_bf16(device):
-        say(
-            "note: this CPU has no AVX512-BF16 or AMX, so bf16 runs several times slower than float32 here; "
-            "--dtype float32 calibrates faster (its statistics differ from bf16's in the last bits)"
-        )
 
 
 def _collect_on_ranks(ranks: Ranks, pipeline: str, model_dir, out, config, batches, shapes, show_progress) -> Collected:

@@ -20,7 +20,7 @@ from resserve_export.observers.experts import ExpertCollector
 from resserve_export.observers.kv import KVCollector
 from resserve_export.observers.stats import collect
 from resserve_export.stages.calibrate.collected import Collected
-from resserve_export.stages.calibrate.config import CalibConfig
+from resserve_export.stages.calibrate.config import CalibConfig, note_slow_bf16
 from resserve_export.stages.calibrate.linears import model_groups_of
 
 
@@ -47,6 +47,8 @@ def collect_whole(model_dir, out, config: CalibConfig, batches, shapes, show_pro
     """The whole-model pipeline in one process. `blocks`: a mixture-of-experts model's expert
     blocks; `on_batch` is called with the number of batches done after each one."""
     offload = None
+    if show_progress:
+        note_slow_bf16(config)
     try:
         if config.device == "auto":
             out.absolute().parent.mkdir(parents=True, exist_ok=True)
