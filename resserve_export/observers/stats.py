@@ -18,6 +18,9 @@ from resserve_export.observers.finite import finite_each
 
 # CPU hook reduction chunk: 2**19 floats (2 MiB in float32) stay in a core's L2/L3.
 CPU_CHUNK_ELEMENTS = 1 << 19
+# Inputs below this many elements take the eager reduction: compiling the fused one costs a few
+# seconds once per process, more than it saves on a small calibration (a tiny model, a test).
+COMPILED_MIN_ELEMENTS = 1 << 16
 
 
 def _abs_sum_max(x):
@@ -162,9 +165,10 @@ class StatsCollector(Observer):
                 xf = x.detach().reshape(-1, x.shape[-1])
                 if idx is not None:
                     xf = xf.index_select(0, idx)
-                if xf.device.type == "cpu" and acc == torch.float32 and _compiled_cpu_reduce() is not None:
+                cpu = xf.device.type == "cpu"
+                if cpu and acc == torch.float32 and xf.numel() >= COMPILED_MIN_ELEMENTS and _compiled_cpu_reduce() is not None:
                     s, m = _compiled_cpu_reduce()(xf)
-                elif xf.device.type == "cpu":
+                elif cpu:
                     s, m = self._cpu_reduce(xf, acc)
                 elif self.gpu_reduction == "norm":
                     # GPU: fused |x| + float32 reductions, no temporary (TF32-proof, unlike a GEMV).

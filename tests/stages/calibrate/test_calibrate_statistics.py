@@ -244,3 +244,25 @@ def test_scores_written_beside_salience(tiny, texts, tmp_path):
     assert [g["modules"] for g in scores["groups"]] == rec["groups"]
     for g in scores["groups"]:
         assert set(g["scores"]) == {"0", "0.125", "0.25", "0.5", "1"}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_compiled_and_eager_reductions_give_the_same_statistics(tiny, monkeypatch, dtype):
+    """The CPU hooks reduce inputs of at least `COMPILED_MIN_ELEMENTS` elements with a compiled
+    graph and smaller ones eagerly: the two give the same statistics bit for bit, so the
+    threshold changes speed only (here every input, then none, takes the compiled graph)."""
+    net = modelio.load_model(tiny, dtype=dtype)
+    groups = group_linears(linears_of(net))
+    ids = torch.randint(0, 256, (3, 400), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, 350:] = 0
+    batches = [{"input_ids": ids, "attention_mask": mask}]
+    got = {}
+    for threshold in (0, 1 << 40):
+        monkeypatch.setattr(stats, "COMPILED_MIN_ELEMENTS", threshold)
+        got[threshold], _ = stats.collect(net, batches, groups)
+    compiled, eager = got[0], got[1 << 40]
+    assert set(compiled) == set(eager) and len(compiled) == 2 * 7
+    for name in compiled:
+        assert torch.equal(compiled[name]["mean_abs"], eager[name]["mean_abs"]), name
+        assert torch.equal(compiled[name]["amax"], eager[name]["amax"]), name
