@@ -21,7 +21,6 @@ from resserve_export.stages.calibrate import run as cal
 from resserve_export.stages.calibrate.config import make_config
 
 from tests.fixtures.checkpoints import source_tensors
-from tests.fixtures.console import run
 from tests.fixtures.moe import ARCHS, CUDA, TOP_K, calibrated, moe_config
 
 # The session's MoE models and their cached calibrations (tests.fixtures.moe) are built once:

@@ -28,7 +28,7 @@ from resserve_export.formats.ops import qdq as fp4_qdq
 from resserve_export.stages.pack.run import pack
 from resserve_export.stages.size import estimate
 
-from tests.fixtures.console import assert_one_line_error, leftovers, run
+from tests.fixtures.console import assert_one_line_error, leftovers, run_main
 from tests.fixtures.models import make_gemma3, make_llama, varied_texts, write_jsonl
 from tests.fixtures.tiny import make_calibration, make_model
 
@@ -290,7 +290,7 @@ def test_kv_cache_without_kv_statistics_is_one_line(models, tmp_path):
     model = models["qwen3"]
     calib = make_calibration(model, tmp_path / "c")  # no KV statistics
     out = tmp_path / "ck"
-    p = run("pack", str(model), "--calib", str(calib), "--out", str(out), "--ratio", "0", "--kv-cache", "fp8", "--device", "cpu")
+    p = run_main("pack", str(model), "--calib", str(calib), "--out", str(out), "--ratio", "0", "--kv-cache", "fp8", "--device", "cpu")
     assert_one_line_error(p, 2, "no KV-cache statistics", "--kv-cache none")
     assert leftovers(out) == []
 
@@ -302,7 +302,7 @@ def test_unsupported_kv_cache_is_one_line(models, tmp_path, fmt, kind, needle):
     model = models["qwen3"]
     calib = make_calibration(model, tmp_path / "c", kv=True)
     out = tmp_path / "ck"
-    p = run("pack", str(model), "--calib", str(calib), "--out", str(out), "--ratio", "0", "--format", fmt, "--kv-cache", kind)
+    p = run_main("pack", str(model), "--calib", str(calib), "--out", str(out), "--ratio", "0", "--format", fmt, "--kv-cache", kind)
     assert_one_line_error(p, 2, needle)
     assert leftovers(out) == []
 
@@ -314,7 +314,7 @@ def test_non_finite_kv_amax_is_one_line(models, tmp_path):
     kv["model.layers.1.self_attn.v_amax"] = torch.tensor(float("nan"))
     save_file(kv, str(calib / kv_file.FILE))
     out = tmp_path / "ck"
-    p = run("pack", str(model), "--calib", str(calib), "--out", str(out), "--ratio", "0", "--kv-cache", "fp8")
+    p = run_main("pack", str(model), "--calib", str(calib), "--out", str(out), "--ratio", "0", "--kv-cache", "fp8")
     assert_one_line_error(p, 2, "model.layers.1.self_attn", "finite and positive")
 
 
@@ -323,7 +323,7 @@ def test_corrupt_kv_file_is_one_line(models, tmp_path):
     calib = make_calibration(model, tmp_path / "c", kv=True)
     raw = (calib / kv_file.FILE).read_bytes()
     (calib / kv_file.FILE).write_bytes(struct.pack("<Q", 1 << 40) + raw[8:40])
-    p = run("pack", str(model), "--calib", str(calib), "--out", str(tmp_path / "ck"), "--ratio", "0", "--kv-cache", "fp8")
+    p = run_main("pack", str(model), "--calib", str(calib), "--out", str(tmp_path / "ck"), "--ratio", "0", "--kv-cache", "fp8")
     assert_one_line_error(p, 2, kv_file.FILE)
 
 
@@ -343,7 +343,7 @@ def kv_packed(models, tmp_path_factory):
 def test_verify_reports_kv_error_and_perplexity(models, kv_packed, tmp_path):
     texts, calib, ckpt = kv_packed
     out = tmp_path / "v"
-    p = run("verify", str(ckpt), "--model", str(models["llama"]), "--calib", str(calib), "--text", str(texts), "--samples", "2",
+    p = run_main("verify", str(ckpt), "--model", str(models["llama"]), "--calib", str(calib), "--text", str(texts), "--samples", "2",
             "--seq-len", "32", "--device", "cpu", "--out", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     rep = json.loads((out / "verify.json").read_text())
@@ -369,7 +369,7 @@ def test_verify_refuses_kv_scales_of_another_calibration(models, kv_packed, tmp_
     kv["model.layers.1.self_attn.k_amax"] = kv["model.layers.1.self_attn.k_amax"] * 1.5
     save_file(kv, str(other / kv_file.FILE))
     out = tmp_path / "v"
-    p = run("verify", str(ckpt), "--model", str(models["llama"]), "--calib", str(other), "--text", str(texts), "--samples", "2",
+    p = run_main("verify", str(ckpt), "--model", str(models["llama"]), "--calib", str(other), "--text", str(texts), "--samples", "2",
             "--seq-len", "32", "--device", "cpu", "--out", str(out))
     assert_one_line_error(p, 3, "model.layers.1.self_attn k_scale", "--calib")
     assert leftovers(out) == []
@@ -407,7 +407,7 @@ def test_checkpoint_declaring_kv_without_scales_is_one_line(models, tmp_path):
         save_file({k: v for k, v in t.items() if not k.endswith(("k_scale", "v_scale"))}, str(out / f))
     idx["weight_map"] = {k: v for k, v in idx["weight_map"].items() if not k.endswith(("k_scale", "v_scale"))}
     idx_path.write_text(json.dumps(idx))
-    assert_one_line_error(run("inspect", str(out)), 2, "declares a fp8 KV cache but holds no KV-cache scales", "re-run pack")
+    assert_one_line_error(run_main("inspect", str(out)), 2, "declares a fp8 KV cache but holds no KV-cache scales", "re-run pack")
 
 
 def test_checkpoint_with_a_k_scale_but_no_v_scale_is_one_line(models, tmp_path):
@@ -420,7 +420,7 @@ def test_checkpoint_with_a_k_scale_but_no_v_scale_is_one_line(models, tmp_path):
     del t[gone]
     save_file(t, str(out / f))
     idx_path.write_text(json.dumps(idx))
-    assert_one_line_error(run("inspect", str(out)), 2, "model.layers.1.self_attn.k_proj.k_scale but no " + gone, "incomplete")
+    assert_one_line_error(run_main("inspect", str(out)), 2, "model.layers.1.self_attn.k_proj.k_scale but no " + gone, "incomplete")
 
 
 def test_kv_quantizer_needs_a_scale_for_every_layer(models):

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,9 +13,8 @@ from resserve_export.core.errors import UserError
 from resserve_export.modeling import modelio
 from resserve_export.stages.pack.run import pack
 
+from tests.fixtures.console import run_main
 from tests.fixtures.tiny import make_calibration, make_model, make_scores
-
-EXE = str(Path(sys.executable).with_name("resserve-export"))
 
 
 @pytest.fixture(scope="module")
@@ -81,12 +78,11 @@ def test_pack_refuses_a_calibration_of_other_weights(model, tmp_path):
     assert modelio.tensor_shapes(other) == modelio.tensor_shapes(model)
     assert modelio.fingerprint(other) != modelio.fingerprint(model)
     out = tmp_path / "ck"
-    p = subprocess.run([EXE, "pack", str(other), "--calib", str(calib), "--ratio", "0.25", "--out", str(out)], capture_output=True, text=True)
+    p = run_main("pack", str(other), "--calib", str(calib), "--ratio", "0.25", "--out", str(out))
     err = p.stderr.strip()
     assert p.returncode == 2 and "\n" not in err and "other weights" in err and "--allow-other-weights" in err, p.stderr
     assert not out.exists()
-    p = subprocess.run([EXE, "pack", str(other), "--calib", str(calib), "--ratio", "0.25", "--out", str(out), "--allow-other-weights"],
-                       capture_output=True, text=True)
+    p = run_main("pack", str(other), "--calib", str(calib), "--ratio", "0.25", "--out", str(out), "--allow-other-weights")
     assert p.returncode == 0, p.stderr[-2000:]
     assert json.loads((out / "config.json").read_text())["quantization_config"]["resserve"]["provenance"]["model_fingerprint"] == modelio.fingerprint(other)
 
@@ -104,11 +100,11 @@ def test_calibration_of_an_older_version_is_refused(model, tmp_path):
 def test_plan_refuses_scores_of_other_weights(model, tmp_path):
     calib = make_calibration(model, tmp_path / "calib")
     make_scores(model, calib, fingerprint="e" * 64)
-    p = subprocess.run([EXE, "plan", "--calib", str(calib), "--budget", "5"], capture_output=True, text=True)
+    p = run_main("plan", "--calib", str(calib), "--budget", "5")
     err = p.stderr.strip()
     assert p.returncode == 2 and "\n" not in err and "other weights" in err, p.stderr
     assert not (calib / "plan.json").exists()
-    p = subprocess.run([EXE, "plan", "--calib", str(calib), "--budget", "5", "--allow-other-weights"], capture_output=True, text=True)
+    p = run_main("plan", "--calib", str(calib), "--budget", "5", "--allow-other-weights")
     assert p.returncode == 0, p.stderr
 
 
@@ -123,17 +119,17 @@ def test_plan_refuses_scores_of_other_weights(model, tmp_path):
 def test_pack_refuses_a_plan_of_another_format(model, tmp_path, scored, packed, needle):
     calib = make_calibration(model, tmp_path / "calib")
     make_scores(model, calib, fmt=scored[0], rounding=scored[1])
-    p = subprocess.run([EXE, "plan", "--calib", str(calib), "--budget", "5"], capture_output=True, text=True)
+    p = run_main("plan", "--calib", str(calib), "--budget", "5")
     assert p.returncode == 0, p.stderr
     plan = json.loads((calib / "plan.json").read_text())
     assert (plan["format"], plan["mx_scale_rounding"]) == scored
     out = tmp_path / "ck"
-    argv = [EXE, "pack", str(model), "--calib", str(calib), "--plan", str(calib / "plan.json"), "--format", packed[0],
+    argv = ["pack", str(model), "--calib", str(calib), "--plan", str(calib / "plan.json"), "--format", packed[0],
             "--mx-scale", packed[1], "--out", str(out)]
-    p = subprocess.run(argv, capture_output=True, text=True)
+    p = run_main(*argv)
     err = p.stderr.strip()
     assert p.returncode == 2 and "\n" not in err and needle in err, p.stderr
     assert not out.exists()
     # The matching format packs.
     argv[argv.index("--format") + 1], argv[argv.index("--mx-scale") + 1] = scored
-    assert subprocess.run(argv, capture_output=True, text=True).returncode == 0
+    assert run_main(*argv).returncode == 0

@@ -14,7 +14,7 @@ from resserve_export.modeling.experts import expert_blocks
 from resserve_export.stages.pack.run import pack
 from resserve_export.storage.checkpoint import read_checkpoint
 
-from tests.fixtures.console import assert_one_line_error, leftovers, run
+from tests.fixtures.console import assert_one_line_error, leftovers, run_main
 from tests.fixtures.moe import calibrated
 from tests.fixtures.tiny import make_calibration
 
@@ -42,11 +42,11 @@ def test_qwen2_moe_shared_expert_and_its_gate(moe, tmp_path):
 def test_gpt_oss_is_refused_before_any_work(moe, tmp_path):
     model = moe["models"]["gpt_oss"]
     out = tmp_path / "calib"
-    p = run("calibrate", str(model), "--out", str(out), "--config", "quick", "--device", "cpu", "--scores", "none")
+    p = run_main("calibrate", str(model), "--out", str(out), "--config", "quick", "--device", "cpu", "--scores", "none")
     assert_one_line_error(p, 2, "model.layers.0.mlp.experts.down_proj is a 3-D tensor", "gpt-oss", "nothing was calibrated")
     assert leftovers(out) == []
     calib = make_calibration(moe["models"]["mixtral"], tmp_path / "c")
-    p = run("pack", str(model), "--calib", str(calib), "--out", str(tmp_path / "ck"), "--ratio", "0", "--device", "cpu")
+    p = run_main("pack", str(model), "--calib", str(calib), "--out", str(tmp_path / "ck"), "--ratio", "0", "--device", "cpu")
     assert_one_line_error(p, 2, "3-D tensor", "nothing was packed")
     assert leftovers(tmp_path / "ck") == []
 
@@ -60,7 +60,7 @@ def test_gpt_oss_is_refused_before_any_work(moe, tmp_path):
 )
 def test_calibrate_refuses_what_moe_does_not_do_yet(moe, tmp_path, extra, needle):
     out = tmp_path / "calib"
-    p = run("calibrate", str(moe["models"]["qwen3_moe"]), "--out", str(out), "--config", "quick", "--device", "cpu", *extra)
+    p = run_main("calibrate", str(moe["models"]["qwen3_moe"]), "--out", str(out), "--config", "quick", "--device", "cpu", *extra)
     assert_one_line_error(p, 2, needle)
     assert leftovers(out) == []
 

@@ -11,7 +11,7 @@ from resserve_export.formats import nvfp4
 from resserve_export.stages.pack.run import pack
 from resserve_export.storage.checkpoint import read_checkpoint
 
-from tests.fixtures.console import assert_one_line_error, run
+from tests.fixtures.console import assert_one_line_error, run_main
 from tests.fixtures.moe import calibrated
 from tests.fixtures.tensors import bits
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.xdist_group("moe")
 
 
 def test_plan_without_scores_says_what_to_do(moe, tmp_path):
-    p = run("plan", "--calib", str(calibrated(moe, "mixtral")), "--budget", "5.0", "--out", str(tmp_path / "plan.json"))
+    p = run_main("plan", "--calib", str(calibrated(moe, "mixtral")), "--budget", "5.0", "--out", str(tmp_path / "plan.json"))
     assert_one_line_error(p, 2, "no sensitivity scores", "--scores grad")
 
 

@@ -11,7 +11,7 @@ from resserve_export.modeling import modelio
 from resserve_export.modeling.experts import expert_blocks
 from resserve_export.stages.pack.run import pack
 
-from tests.fixtures.console import assert_one_line_error, leftovers, run
+from tests.fixtures.console import assert_one_line_error, leftovers, run_main
 from tests.fixtures.moe import CUDA, TOP_K, calibrated
 
 # The session's MoE models and their cached calibrations (tests.fixtures.moe) are built once:
@@ -90,7 +90,7 @@ def test_verify_names_a_wrong_expert(moe, tmp_path):
     name = "model.layers.1.mlp.experts.6.down_proj.weight"
     t[name] = (t[name].float() * 1.5).to(torch.bfloat16)
     save_file(t, str(f), metadata={"format": "pt"})
-    p = run("verify", str(ck), "--model", str(other), "--calib", str(calib), "--out", str(tmp_path / "v"), "--device", "cpu",
+    p = run_main("verify", str(ck), "--model", str(other), "--calib", str(calib), "--out", str(tmp_path / "v"), "--device", "cpu",
             "--text", str(moe["texts"]), "--samples", "2")
     assert_one_line_error(p, 3, "other weights", "--model")  # the fingerprint tells first
     assert leftovers(tmp_path / "v") == []
@@ -103,5 +103,5 @@ def test_verify_names_a_wrong_expert(moe, tmp_path):
     with unfused(net, expert_blocks(modelio.tensor_shapes(other))):
         bad = weight_mismatches(Checkpoint(ck), linear_weights(net, Checkpoint(ck)))
     assert [m for m, _ in bad] == ["model.layers.1.mlp.experts.6.down_proj"]
-    p = run("verify", str(ck), "--model", str(model), "--out", str(tmp_path / "v"))
+    p = run_main("verify", str(ck), "--model", str(model), "--out", str(tmp_path / "v"))
     assert_one_line_error(p, 2, "pass --calib")
