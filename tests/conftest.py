@@ -25,6 +25,13 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "ignore:.*is not tested with current version of modelopt:UserWarning")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow run first (the order is otherwise kept): pytest-xdist hands out work as
+    workers free up, so the long tests start early and the short ones fill in at the end, instead
+    of one worker running a long test alone while the other idles."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def _user_cache() -> Path:
     from resserve_export.modeling import modelio
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from resserve_export.stages.calibrate import config as calib_config
 from resserve_export.stages.calibrate import run as cal
 from resserve_export.storage import calibration
 from resserve_export.modeling import modelio
@@ -206,7 +207,7 @@ def test_sequential_pipeline_through_the_cli(tiny, tmp_path, texts):
 @pytest.mark.parametrize("fast, dtype, noted", [(False, "bfloat16", True), (False, "float32", False), (True, "bfloat16", False)])
 def test_slow_bf16_cpu_is_noted(tiny, tmp_path, texts, capsys, monkeypatch, fast, dtype, noted):
     """On a CPU without AVX512-BF16 or AMX a bf16 run says once that float32 is faster there."""
-    monkeypatch.setattr(cal, "fast_bf16", lambda device: fast)
+    monkeypatch.setattr(calib_config, "fast_bf16", lambda device: fast)
     argv = [a for a in base(tiny, tmp_path / "out", texts) if a != "-q"]
     cli_ok(*argv, "--scores", "none", "--dtype", dtype)
     err = capsys.readouterr().err

@@ -21,7 +21,7 @@ from tests.fixtures.models import make_llama, varied_texts, write_jsonl
 BIN = Path(sys.executable).parent
 EXE = str(BIN / "resserve-export")
 TORCHRUN = str(BIN / "torchrun")
-pytestmark = pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchrun is not installed")
+pytestmark = [pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchrun is not installed"), pytest.mark.slow]
 # One intra-op thread everywhere: GEMMs with other thread counts round differently (the
 # statistics hooks do not, the backward pass of the grad scores does).
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

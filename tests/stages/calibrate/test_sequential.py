@@ -134,6 +134,7 @@ print([int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswi
 """
 
 
+@pytest.mark.slow
 def test_sequential_peak_memory_is_a_fraction_of_whole(setup, tmp_path):
     """A 1.07 GB bf16 Llama (32 layers): peak RSS of the sequential run at most 0.6x the whole run's."""
     from transformers import LlamaConfig, LlamaForCausalLM
