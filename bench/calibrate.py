@@ -280,7 +280,7 @@ def bench_moe(args) -> dict:
         def run():
             kv = KVCollector(model)
             with ExpertCollector(model, blocks, mode) as ec:
-                stats, _ = stats.collect(model, batches, dense, kv=kv, experts=ec)
+                stats.collect(model, batches, dense, kv=kv, experts=ec)
             sync(model)
             t = time.perf_counter()
             ec.result()  # once per calibration run, whatever its length: timed apart as well

@@ -94,11 +94,19 @@ def every_expert_stats(mod, x, acc_sum, acc_amax, chunk_bytes: int = EXPERT_CHUN
     E, n = w.shape[0], x.shape[0]
     per_expert = max(1, n * w.shape[1] * 2 * x.element_size())  # the gate/up product and act·up
     step = max(1, min(E, chunk_bytes // per_expert))
+    # cuBLAS picks another algorithm for a batched float32 GEMM than for one expert's (outputs
+    # differ in the last bits, measured on an H200); in bf16 / fp16 both agree. Float32 on a GPU
+    # keeps one GEMM per expert so that its statistics stay those of the per-expert loop.
+    exact_per_expert = x.device.type == "cuda" and x.dtype == torch.float32
     ones = torch.ones(n, dtype=torch.bool, device=x.device)
     seg = torch.full((1,), n, dtype=torch.int64, device=x.device)
     for e0 in range(0, E, step):
         e1 = min(E, e0 + step)
-        gate, up = torch.matmul(x, w[e0:e1].transpose(-2, -1)).chunk(2, dim=-1)
+        if exact_per_expert:
+            prod = torch.stack([x @ w[e].t() for e in range(e0, e1)])
+        else:
+            prod = torch.matmul(x, w[e0:e1].transpose(-2, -1))
+        gate, up = prod.chunk(2, dim=-1)
         h = mod.act_fn(gate) * up  # [experts, rows, I]
         if x.device.type == "cpu":
             for c in range(e1 - e0):

@@ -299,9 +299,20 @@ def test_triton_segment_statistics_equal_the_exact_sums():
     assert torch.isnan(s[5, 7]) and m[5] == float("inf") and torch.isfinite(m[[0, 2, 6, 7]]).all()
 
 
+SMALL, MODEL_SIZED = (7, 37, 64, 48), (16, 301, 2048, 768)  # experts, rows, hidden, intermediate
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("device", ["cpu", CUDA])
-def test_every_expert_chunks_equal_the_per_expert_loop(device, dtype):
+@pytest.mark.parametrize(
+    "device, shape",
+    # The model-sized shape is for the GPU's GEMM algorithms, which depend on it.
+    [
+        pytest.param("cpu", SMALL, id="cpu"),
+        pytest.param("cuda", SMALL, marks=CUDA.marks, id="cuda"),
+        pytest.param("cuda", MODEL_SIZED, marks=CUDA.marks, id="cuda-model-sized"),
+    ],
+)
+def test_every_expert_chunks_equal_the_per_expert_loop(device, dtype, shape):
     """``--moe-calib all``'s batched GEMMs over chunks of experts give the statistics of one GEMM
     per expert bit for bit (the loop the collector ran before), for every chunk size: one expert,
     several chunks with a remainder, all experts at once. The loop reduces as the collector always
@@ -309,7 +320,7 @@ def test_every_expert_chunks_equal_the_per_expert_loop(device, dtype):
     from resserve_export.observers.experts import every_expert_stats
 
     g = torch.Generator().manual_seed(3)
-    E, n, H, I = 7, 37, 64, 48
+    E, n, H, I = shape
     mod = torch.nn.Module()
     mod.gate_up_proj = torch.nn.Parameter((torch.randn(E, 2 * I, H, generator=g) / 8).to(dtype).to(device), requires_grad=False)
     mod.act_fn = F.silu
