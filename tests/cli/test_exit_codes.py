@@ -1,8 +1,9 @@
 """Every failure is one line and a non-zero exit, and nothing succeeds silently.
 
-Real subprocesses of the installed console script: Ctrl-C (SIGINT) mid-run, unknown
-architectures, unwritable outputs, stale temporaries of killed runs, progress when piped, file
-modes, and the README's Usage lines run as written.
+Real subprocesses of the installed console script where the process is the subject: Ctrl-C
+(SIGINT) mid-run, unknown architectures, stale temporaries of killed runs, progress when piped,
+file modes. What a command checks and says (unwritable outputs, the README's Usage lines as
+written, verify's text source) goes through `run_main`, the same `cli.main` in this process.
 """
 
 from __future__ import annotations
@@ -151,19 +152,18 @@ def unwritable(tmp_path: Path) -> list[Path]:
     return [blocker / "out", Path("/proc/resserve-no-such-dir/out")]
 
 
-@pytest.mark.slow
 def test_unwritable_out_is_refused_before_any_work(llama, packed, texts, tmp_path):
     calib, ckpt = packed
     for out in unwritable(tmp_path):
         t0 = time.perf_counter()
-        p = run("calibrate", str(llama), "--out", str(out), "--dataset", str(texts), "--num-samples", "64", "--seq-len", "256",
-                "--device", "cpu", env={TEST_STEP_DELAY_ENV: "5"})
+        p = run_main("calibrate", str(llama), "--out", str(out), "--dataset", str(texts), "--num-samples", "64", "--seq-len", "256",
+                     "--device", "cpu", env={TEST_STEP_DELAY_ENV: "5"})
         assert_one_line_error(p, 2, "cannot write --out", str(out))
         assert time.perf_counter() - t0 < 60  # refused up front, not after 64 slowed samples
-        assert_one_line_error(run("plan", "--calib", str(calib), "--budget", "5", "--out", str(out / "plan.json")), 2, "cannot write")
-        p = run("verify", str(ckpt), "--model", str(llama), "--calib", str(calib), "--text", str(texts), "--out", str(out))
+        assert_one_line_error(run_main("plan", "--calib", str(calib), "--budget", "5", "--out", str(out / "plan.json")), 2, "cannot write")
+        p = run_main("verify", str(ckpt), "--model", str(llama), "--calib", str(calib), "--text", str(texts), "--out", str(out))
         assert_one_line_error(p, 2, "cannot write --out")
-        assert_one_line_error(run("pack", str(llama), "--calib", str(calib), "--ratio", "0", "--out", str(out)), 2, "cannot write")
+        assert_one_line_error(run_main("pack", str(llama), "--calib", str(calib), "--ratio", "0", "--out", str(out)), 2, "cannot write")
 
 
 def test_oserror_during_a_run_is_one_line(tmp_path, monkeypatch, capsys):
@@ -234,17 +234,17 @@ def test_progress_lines_when_piped(llama, texts, tmp_path):
     assert any(l.startswith("scoring (grad") for l in p.stderr.splitlines()), p.stderr
 
 
-@pytest.mark.slow
-def test_readme_usage_lines_run_as_written(llama, texts, tmp_path):
+def test_readme_usage_lines_run_as_written(llama, texts, tmp_path, monkeypatch):
     """calibrate -> plan -> pack of the README's Usage block, MODEL replaced by a tiny model and
     calibrate shortened (its defaults are the published protocol); every other flag as written."""
     usage = (ROOT / "README.md").read_text().split("## Usage", 1)[1].split("```")[1]
     lines = [l.split("#")[0].split() for l in usage.strip().splitlines()]
     assert [l[1] for l in lines[:3]] == ["calibrate", "plan", "pack"]
     short = ["--dataset", str(texts), "--num-samples", "4", "--seq-len", "32", "--score-samples", "2", "--device", "cpu"]
+    monkeypatch.chdir(tmp_path)  # the lines name relative outputs
     for argv in lines[:3]:
         args = [str(llama) if a == "MODEL" else a for a in argv[1:]]
-        p = run(*args, *(short if argv[1] == "calibrate" else []), cwd=tmp_path)
+        p = run_main(*args, *(short if argv[1] == "calibrate" else []))
         assert p.returncode == 0, (argv, p.stderr[-2000:])
     assert (tmp_path / "calib" / "scores.json").exists() and (tmp_path / "ckpt" / "config.json").exists()
 
@@ -267,8 +267,8 @@ def test_verify_with_text_needs_no_default_text(llama, packed, texts, tmp_path):
     """Without --calib the sweep's selection comes from --text, so the default plays are not needed."""
     _, ckpt = packed
     out = tmp_path / "v"
-    p = run("verify", str(ckpt), "--model", str(llama), "--text", str(texts), "--samples", "2", "--seq-len", "32",
-            "--device", "cpu", "--out", str(out), env={"RESSERVE_TEXTS": str(tmp_path / "no-texts-here")})
+    p = run_main("verify", str(ckpt), "--model", str(llama), "--text", str(texts), "--samples", "2", "--seq-len", "32",
+                 "--device", "cpu", "--out", str(out), env={"RESSERVE_TEXTS": str(tmp_path / "no-texts-here")})
     assert p.returncode == 0, p.stderr[-2000:]
     rep = json.loads((out / "verify.json").read_text())
     assert rep["sweep_selection"] == f"salience from 16 samples (seed 1) of {texts} (seq_len 32)"
