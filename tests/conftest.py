@@ -11,10 +11,13 @@ import torch
 
 from tests.fixtures.moe import moe, moe_scored  # noqa: F401 (session fixtures: tiny MoE models, a scored calibration)
 
-# Torch threads of every test process, set once here (test modules do not set their own): two,
-# as the suite's budget was measured with (two pytest-xdist workers on the 2-core CI machine).
-TEST_THREADS = 2
+# Torch threads of every test process, set once here (test modules do not set their own): the
+# machine's cores shared among the pytest-xdist workers (one each for `make test`'s two workers on
+# the 2-core CI machine). More threads than cores make OpenMP's spinning workers wait on each
+# other. Commands a test starts inherit the same count through OMP_NUM_THREADS.
+TEST_THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 torch.set_num_threads(TEST_THREADS)
+os.environ.setdefault("OMP_NUM_THREADS", str(TEST_THREADS))
 # ModelOpt warns on import that it was not tested with our transformers; the warning is noise here.
 warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
 
@@ -25,11 +28,26 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "ignore:.*is not tested with current version of modelopt:UserWarning")
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """Tests marked slow run first (the order is otherwise kept): pytest-xdist hands out work as
     workers free up, so the long tests start early and the short ones fill in at the end, instead
-    of one worker running a long test alone while the other idles."""
+    of one worker running a long test alone while the other idles.
+
+    On a pytest-xdist worker under ``--dist loadgroup``, each test's `xdist_group` is also appended
+    to its node id (``…@group``), which is what the scheduler groups by. pytest-xdist 3.8 does
+    this by setting ``item._nodeid``, which pytest 9.2 no longer reads (the id lives in
+    ``item._id``): without this every group was split across the workers, and each built the
+    group's fixtures again."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    if not (hasattr(config, "workerinput") and config.getvalue("loadgroup")):
+        return
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")})
+        if names and not item.nodeid.endswith("@" + "_".join(names)):
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
 
 
 def _user_cache() -> Path:
