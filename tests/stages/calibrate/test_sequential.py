@@ -128,7 +128,8 @@ import sys
 from pathlib import Path
 from resserve_export.stages.calibrate.config import make_config
 from resserve_export.stages.calibrate.run import calibrate
-cfg = make_config("quick", dataset=sys.argv[2], num_samples=4, seq_len=64, batch_size=2, device="cpu", scores="none", pipeline=sys.argv[3])
+cfg = make_config("quick", dataset=sys.argv[2], num_samples=4, seq_len=64, batch_size=2, device="cpu", scores="none", pipeline=sys.argv[3],
+                  dtype="float32")
 calibrate(sys.argv[1], Path(sys.argv[4]), cfg, show_progress=False)
 print([int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")][0])
 """
@@ -136,7 +137,9 @@ print([int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswi
 
 @pytest.mark.slow
 def test_sequential_peak_memory_is_a_fraction_of_whole(setup, tmp_path):
-    """A 1.07 GB bf16 Llama (32 layers): peak RSS of the sequential run at most 0.6x the whole run's."""
+    """A 1.07 GB bf16 Llama (32 layers): peak RSS of the sequential run at most 0.6x the whole run's.
+    Both run it in float32 (2.1 GB loaded): bf16 GEMMs are ~9x slower on the CI machine's CPU, and
+    the bound is about what each pipeline holds, not the dtype."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     _, texts, _ = setup
