@@ -102,8 +102,10 @@ def every_expert_stats(mod, x, acc_sum, acc_amax, chunk_bytes: int = EXPERT_CHUN
     seg = torch.full((1,), n, dtype=torch.int64, device=x.device)
     for e0 in range(0, E, step):
         e1 = min(E, e0 + step)
-        if exact_per_expert:
-            prod = torch.stack([x @ w[e].t() for e in range(e0, e1)])
+        if exact_per_expert:  # written in place: a stacked copy would hold the chunk twice
+            prod = x.new_empty((e1 - e0, n, w.shape[1]))
+            for c in range(e1 - e0):
+                torch.matmul(x, w[e0 + c].t(), out=prod[c])
         else:
             prod = torch.matmul(x, w[e0:e1].transpose(-2, -1))
         gate, up = prod.chunk(2, dim=-1)
