@@ -15,7 +15,8 @@ from tests.fixtures.moe import moe, moe_scored  # noqa: F401 (session fixtures: 
 # machine's cores shared among the pytest-xdist workers (one each for `make test`'s two workers on
 # the 2-core CI machine). More threads than cores make OpenMP's spinning workers wait on each
 # other. Commands a test starts inherit the same count through OMP_NUM_THREADS.
-TEST_THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # as `nproc`
+TEST_THREADS = max(1, _CORES // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 torch.set_num_threads(TEST_THREADS)
 os.environ.setdefault("OMP_NUM_THREADS", str(TEST_THREADS))
 # ModelOpt warns on import that it was not tested with our transformers; the warning is noise here.
@@ -42,12 +43,13 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if not (hasattr(config, "workerinput") and config.getvalue("loadgroup")):
         return
-    from _pytest.nodeid import NodeId
-
     for item in items:
         names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")})
-        if names and not item.nodeid.endswith("@" + "_".join(names)):
-            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
+        suffix = "@" + "_".join(names)
+        if names and not item.nodeid.endswith(suffix):  # already there where pytest reads `_nodeid`
+            from _pytest.nodeid import NodeId  # pytest >= 9.2 only
+
+            item._id = NodeId.parse(item.nodeid + suffix)
 
 
 def _user_cache() -> Path:
