@@ -55,7 +55,7 @@ FACTORS = (1 + 2**-9, 1 - 2**-9, 1 + 2**-7, 1 - 2**-7, 1.02, 0.98)
 
 def ours(ws: list[torch.Tensor], alpha: torch.Tensor | None = None) -> list[torch.Tensor]:
     if alpha is None:
-        alpha = nvfp4.global_scale(torch.stack([nvfp4.abs_max(w) for w in ws]).max())
+        alpha = nvfp4.group_global_scale(ws)
     return [formats.dequantize(formats.quantize(w, "nvfp4", alpha=alpha)) for w in ws]
 
 
@@ -103,7 +103,7 @@ def check_llmcompressor(ckpt: Path, groups: list, source: dict) -> None:
     equal, codes, scales, tensor = 0, [], [], []
     for g in groups:
         ws = [source[n] for n in g]
-        alpha = nvfp4.global_scale(torch.stack([nvfp4.abs_max(w) for w in ws]).max())
+        alpha = nvfp4.group_global_scale(ws)
         for n, w, c in zip(g, ws, compressed_tensors(ws)):
             packed, s, gs = lc[f"{n}.weight_packed"], lc[f"{n}.weight_scale"], lc[f"{n}.weight_global_scale"].float().reshape(())
             deq = nvfp4.dequantize_blocks(packed.reshape(-1, 8), s.reshape(-1), 1 / gs).reshape(w.shape)
@@ -159,7 +159,7 @@ def main() -> None:
     rows.append(("compressed-tensors (llm-compressor RTN)", run(compressed_tensors)))
     rows.append(("ours, α as compressed-tensors", run(lambda ws: ours(ws, ct_alpha(ws)))))
     for f in FACTORS:
-        rows.append((f"ours, α × {f:.6g}", run(lambda ws, f=f: ours(ws, nvfp4.global_scale(torch.stack([nvfp4.abs_max(w) for w in ws]).max()) * f))))
+        rows.append((f"ours, α × {f:.6g}", run(lambda ws, f=f: ours(ws, nvfp4.group_global_scale(ws) * f))))
 
     diffs = []
     for g in groups:
