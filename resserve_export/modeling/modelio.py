@@ -23,7 +23,7 @@ from resserve_export.core.devices import parse_device
 from resserve_export.core.errors import UserError
 from resserve_export.modeling import families
 from resserve_export.modeling.view import checkpoint_view
-from resserve_export.storage.safetensors import ST_DTYPES
+from resserve_export.storage.safetensors import ST_DTYPES, SafetensorsFiles
 
 # transformers and huggingface_hub are imported inside the functions that load a model or a
 # tokenizer: transformers alone takes 3 to 5 s to import after torch (python -X importtime), which
@@ -131,8 +131,29 @@ def weight_files(model_dir: Path) -> list[Path]:
     return sorted(p for p in model_dir.glob("*.safetensors") if not p.name.startswith("resserve-"))
 
 
+def _config(model_dir: Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def tensor_shapes(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """name -> (dtype, shape) for every weight, read from safetensors headers only."""
+    """name -> (dtype, shape) for every weight as the tool reads it (experts fused on disk as one
+    weight per expert: `families.unfused_shapes`), from safetensors headers only."""
+    return families.unfused_shapes(_config(model_dir), stored_shapes(model_dir))
+
+
+def source_files(model_dir: Path) -> SafetensorsFiles:
+    """The model's shards opened for reading, experts fused on disk presented as one weight per
+    expert (`families.expert_parts`), as `tensor_shapes` lists them."""
+    files = SafetensorsFiles(weight_files(model_dir))
+    parts = families.expert_parts(_config(model_dir), files.shapes())
+    if parts:
+        files.add_parts(parts)
+    return files
+
+
+def stored_shapes(model_dir: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, shape) for every weight as stored, read from safetensors headers only."""
 
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
     for f in weight_files(model_dir):

@@ -235,7 +235,7 @@ def estimate(
     """Exact bytes `pack` writes for this config, format and ratio / plan (+ `other_bytes`),
     with the KV-cache scales of `kv_cache` (``none``, ``fp8``, ``nvfp4``) as `pack --kv-cache`."""
     f = check_format_arg(fmt)
-    shapes = shapes_from_config(cfg)
+    shapes = families.unfused_shapes(cfg, shapes_from_config(cfg))  # experts fused on disk: written per expert
     groups = model_groups(shapes)
     ratios, _ = load_ratios(groups, ratio, Path(plan) if plan is not None else None, None)
     layout = build_layout(shapes, groups, ratios, fmt, cfg.get("tie_word_embeddings") is True, kv_cache)

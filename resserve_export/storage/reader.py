@@ -117,14 +117,15 @@ class SlabReader:
 
     def wait(self, reading: Reading) -> dict[str, torch.Tensor]:
         """{name: tensor} of a submitted reading once read: views of its slab in each tensor's
-        stored dtype and shape. Raises the first read error."""
+        stored dtype and shape (new tensors for parts of stored ones: `safetensors.Part`). Raises
+        the first read error."""
         for j in reading.jobs:
             if j is not None:
                 j.result()
         out, off = {}, 0
         for name in reading.names:
             e = self.source.entries[name]
-            out[name] = reading.slab.buf[off : off + e.nbytes].view(ST_DTYPES[e.dtype][0]).reshape(e.shape)
+            out[name] = e.present(reading.slab.buf[off : off + e.nbytes].view(ST_DTYPES[e.dtype][0]))
             off += aligned(e.nbytes)
         return out
 

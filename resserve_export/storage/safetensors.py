@@ -263,12 +263,44 @@ class ShardedWriter:
 
 
 @dataclass(frozen=True)
+class Part:
+    """A tensor presented in place of part of a stored one (`SafetensorsFiles.add_parts`): the
+    `index`-th sub-tensor along the first dimension of `source` (contiguous on disk), of which the
+    rows ``start:stop:step``, or, `transposed`, the columns ``start:stop:step`` transposed. E.g.
+    one expert's gate projection ``[I, H]`` out of experts fused on disk as ``gate_up_proj``
+    ``[E, 2I, H]``: ``Part(…, e, 0, I)``; out of ``[E, H, 2I]``: ``Part(…, e, 0, I, transposed=True)``."""
+
+    source: str
+    index: int
+    start: int
+    stop: int
+    step: int = 1
+    transposed: bool = False
+
+    def shape(self, stored: tuple[int, int]) -> tuple[int, int]:
+        """The part's shape, cut from a sub-tensor of shape `stored`."""
+        rows, cols = stored
+        n = len(range(self.start, self.stop, self.step))
+        return (n, rows) if self.transposed else (n, cols)
+
+@dataclass(frozen=True)
 class _Entry:
     path: Path
     dtype: str
-    shape: tuple[int, ...]
-    start: int  # absolute byte offset in the file
-    nbytes: int
+    shape: tuple[int, ...]  # as presented
+    start: int  # absolute byte offset in the file of the bytes read
+    nbytes: int  # bytes read
+    part: Part | None = None  # presented as this part of the bytes read (their stored shape: `stored`)
+    stored: tuple[int, ...] = ()
+
+    def present(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor as presented, from the bytes read viewed in their dtype."""
+        if self.part is None:
+            return t.reshape(self.shape)
+        p, t = self.part, t.reshape(self.stored)
+        if p.transposed:
+            return t[:, p.start : p.stop : p.step].t().contiguous()
+        return t[p.start : p.stop : p.step].contiguous()
 
 
 class SafetensorsFiles:
@@ -312,6 +344,23 @@ class SafetensorsFiles:
                 raise UserError(bad)
             self.entries[name] = _Entry(path, dtype, shape, base + b, nbytes)
 
+    def add_parts(self, parts: dict[str, Part]) -> None:
+        """Present each `parts` name as that part of a stored 3-D tensor, and hide the stored
+        tensors they are cut from: readers then see, e.g., one 2-D weight per expert where the
+        file holds every expert of a layer in one tensor."""
+        for name, p in parts.items():
+            src = self.entries.get(p.source)
+            if src is None or src.part is not None or len(src.shape) != 3 or not 0 <= p.index < src.shape[0]:
+                raise ValueError(f"{name}: {p.source} is not a stored 3-D tensor with a sub-tensor {p.index}")
+            stored = src.shape[1:]
+            extent = stored[1] if p.transposed else stored[0]
+            if not 0 <= p.start < p.stop <= extent:
+                raise ValueError(f"{name}: {p.start}:{p.stop}:{p.step} is outside {p.source}'s {extent}")
+            each = src.nbytes // src.shape[0]
+            self.entries[name] = _Entry(src.path, src.dtype, p.shape(stored), src.start + p.index * each, each, p, stored)
+        for p in {p.source for p in parts.values()}:
+            del self.entries[p]
+
     def __contains__(self, name: str) -> bool:
         return name in self.entries
 
@@ -331,7 +380,7 @@ class SafetensorsFiles:
 
     def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
         """The tensor read into `out` (uint8, at least its size; e.g. a pinned staging buffer),
-        returned as a view of it in its dtype and shape."""
+        returned as a view of it in its dtype and shape (a new tensor for a `Part`)."""
         e = self.entries[name]
         buf = out[: e.nbytes]
         with open(e.path, "rb", buffering=0) as f:
@@ -339,7 +388,7 @@ class SafetensorsFiles:
             got = f.readinto(memoryview(buf.numpy())) if e.nbytes else 0
         if got != e.nbytes:
             raise unreadable(name, e.path.name, "the file is truncated")
-        return buf.view(ST_DTYPES[e.dtype][0]).reshape(e.shape)
+        return e.present(buf.view(ST_DTYPES[e.dtype][0]))
 
 
 def unreadable(name: str, shard: str, why: str) -> UserError:
@@ -353,6 +402,7 @@ __all__ = [
     "st_dtype",
     "ShardedWriter",
     "SafetensorsFiles",
+    "Part",
     "TensorSpec",
     "header_bytes",
     "split_shards",

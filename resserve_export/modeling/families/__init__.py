@@ -26,6 +26,7 @@ from resserve_export.modeling.families import (
     text,
 )
 from resserve_export.modeling.families.base import Family
+from resserve_export.storage.safetensors import Part
 
 FAMILIES: tuple[Family, ...] = (
     text.FAMILY,
@@ -87,6 +88,66 @@ def check_tensors(shapes: dict[str, tuple[str, tuple[int, ...]]], doing: str = "
         )
 
 
+_FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<leaf>[A-Za-z0-9_]+)$")
+
+
+def expert_parts(config: dict, shapes: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, Part]:
+    """``{per-expert weight name: the part of a fused tensor it is}`` for a family that stores its
+    experts fused on disk (`Family.experts_on_disk`), else empty.
+
+    Two orientations are found on disk: input-major, as hub checkpoints store them
+    (``gate_up_proj`` ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``), and output-major, as
+    transformers 5 holds and saves them (``[E, 2I, H]``, ``[E, H, I]``). The pair's shapes tell
+    which (both cannot fit one pair), so no size is taken from the configuration. Either way
+    expert E reads as ``….experts.E.gate_proj.weight`` ``[I, H]``, ``up_proj`` and ``down_proj``
+    ``[H, I]``. A pair that fits neither is left as it is (and refused by `check_tensors`)."""
+    fused = family_of(config).experts_on_disk
+    if fused is None:
+        return {}
+    out: dict[str, Part] = {}
+    for name in sorted(shapes, key=natural_key):
+        m = _FUSED.match(name)
+        if m is None or m["leaf"] != fused.gate_up:
+            continue
+        down = f"{m['prefix']}.{fused.down}"
+        gu, dn = tuple(shapes[name][1]), tuple(shapes.get(down, ("", ()))[1])
+        if len(gu) != 3 or len(dn) != 3 or gu[0] != dn[0]:
+            continue
+        E, (a, b), (c, d) = gu[0], gu[1:], dn[1:]
+        if a == 2 * d and b == c:
+            transposed, H, I = False, b, d
+        elif b == 2 * c and a == d:
+            transposed, H, I = True, a, c
+        else:
+            continue
+        gate, up = ((0, 2 * I, 2), (1, 2 * I, 2)) if fused.interleaved else ((0, I, 1), (I, 2 * I, 1))
+        for e in range(E):
+            at = f"{m['prefix']}.{e}"
+            out[f"{at}.gate_proj.weight"] = Part(name, e, *gate, transposed=transposed)
+            out[f"{at}.up_proj.weight"] = Part(name, e, *up, transposed=transposed)
+            out[f"{at}.down_proj.weight"] = Part(down, e, 0, H, transposed=transposed)
+    return out
+
+
+def unfused_shapes(config: dict, shapes: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """`shapes` as the tool reads the checkpoint: experts fused on disk replaced, in the fused
+    tensor's place, by one 2-D weight per expert (`expert_parts`)."""
+    parts = expert_parts(config, shapes)
+    if not parts:
+        return shapes
+    by_source: dict[str, list[str]] = {}
+    for n, p in parts.items():
+        by_source.setdefault(p.source, []).append(n)
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, (dtype, shape) in shapes.items():
+        if name not in by_source:
+            out[name] = (dtype, shape)
+            continue
+        for n in by_source[name]:
+            out[n] = (dtype, parts[n].shape(tuple(shape[1:])))
+    return out
+
+
 def check_loadable(config: dict, arch: str | None) -> bool:
     """Whether `arch` is the wrapper class of a vision-language family (loaded with its own class)."""
     return family_of(config).wrapper and bool(arch) and arch.endswith("ForConditionalGeneration")
@@ -99,4 +160,4 @@ def has_adapter(config: dict) -> bool:
     return family_of(config) is not text.FAMILY
 
 
-__all__ = ["FAMILIES", "Family", "family_of", "is_exact", "kept_as", "check_tensors", "check_loadable", "has_adapter"]
+__all__ = ["FAMILIES", "Family", "family_of", "expert_parts", "unfused_shapes", "is_exact", "kept_as", "check_tensors", "check_loadable", "has_adapter"]

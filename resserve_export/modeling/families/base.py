@@ -14,6 +14,20 @@ FUSED_EXPERTS = (
 
 
 @dataclass(frozen=True)
+class FusedOnDisk:
+    """How a family stores every expert of a layer in one tensor on disk: ``<…>.experts.<gate_up>``
+    ``[E, hidden, 2·intermediate]`` (gate columns first, then up; or alternating when
+    `interleaved`) and ``<…>.experts.<down>`` ``[E, intermediate, hidden]`` — each expert's
+    projections stored input-major, the transpose of a linear's weight. The tool reads them as one
+    linear weight per expert (``<…>.experts.E.gate_proj.weight`` ``[I, H]``, ``up_proj``,
+    ``down_proj``) and writes them so, as quantized checkpoints of these families are stored."""
+
+    gate_up: str = "gate_up_proj"
+    down: str = "down_proj"
+    interleaved: bool = False
+
+
+@dataclass(frozen=True)
 class Family:
     """One model family as this tool handles it.
 
@@ -25,7 +39,8 @@ class Family:
     projectors. `kept`: ``(pattern, what it is)`` for tensors that are not linears and are copied
     exactly (convolutions, state-space parameters), matched anywhere in the name. `refused`:
     ``(pattern, why)`` for tensors this tool cannot quantize yet; a checkpoint holding one is
-    refused before any work with that reason.
+    refused before any work with that reason. `experts_on_disk`: how the family stores experts
+    fused on disk (`FusedOnDisk`), when it does.
     """
 
     name: str
@@ -35,6 +50,7 @@ class Family:
     exact: tuple[str, ...] = ()
     kept: tuple[tuple[str, str], ...] = ()
     refused: tuple[tuple[str, str], ...] = ()
+    experts_on_disk: FusedOnDisk | None = None
     test: str = ""
 
     def __post_init__(self):

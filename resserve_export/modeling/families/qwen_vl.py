@@ -3,10 +3,12 @@ Qwen2 / Qwen3 decoder. Qwen2/2.5-VL hub checkpoints name the decoder ``model.lay
 vision part ``visual.…``; Qwen3-VL's ``model.language_model.layers.…`` and ``model.visual.…``.
 The vision part stays exact.
 
-Qwen3-VL-MoE stores its experts fused on disk (3-D ``experts.gate_up_proj``); that layout is
-refused, naming the tensor, until experts fused on disk are supported."""
+Qwen3-VL-MoE stores its experts fused on disk (``experts.gate_up_proj`` ``[E, H, 2I]``, gate
+then up, and ``experts.down_proj`` ``[E, I, H]``); they are read, quantized and written one linear
+per expert (``experts.E.gate_proj`` …), the names vLLM's Qwen3-VL-MoE loader takes for quantized
+experts."""
 
-from resserve_export.modeling.families.base import FUSED_EXPERTS, Family
+from resserve_export.modeling.families.base import Family, FusedOnDisk
 
 _EXACT = ("visual", r"model\.visual")
 
@@ -29,10 +31,11 @@ QWEN3_VL = Family(
 )
 
 QWEN3_VL_MOE = Family(
-    name="Qwen3-VL-MoE (refused: experts fused on disk)",
+    name="Qwen3-VL-MoE (vision-language, experts fused on disk)",
     model_types=("qwen3_vl_moe",),
+    quantized="the language model's decoder linears, each expert's gate / up / down as its own linear; vision transformer, mergers and routers exact",
     wrapper=True,
     exact=_EXACT,
-    refused=((r"\.experts\.(gate_up_proj|down_proj)$", FUSED_EXPERTS),),
-    test="tests/modeling/families/test_families.py::test_experts_fused_on_disk_are_refused_naming_the_tensor",
+    experts_on_disk=FusedOnDisk(),
+    test="tests/modeling/families/test_families.py::test_family_packs_its_language_model_and_copies_the_rest[qwen3_vl_moe]",
 )

@@ -138,7 +138,7 @@ def open_shell(model_dir: Path, device: str, dtype: str) -> Shell:
     `dtype`; every parameter frozen."""
     dev = devices.resolve_device(device)
     model = empty_model(model_dir, dtype)
-    source = SafetensorsFiles(modelio.weight_files(model_dir))
+    source = modelio.source_files(model_dir)
     prefix, layers = decoder_layers(model)
     params = [n for n, _ in model.named_parameters(remove_duplicate=False)]
     per_layer = [[n for n in params if n.startswith(f"{prefix}.{i}.")] for i in range(len(layers))]

@@ -236,7 +236,7 @@ def read_inputs(
     ratios of ``--ratio`` or ``--plan``, or a one-line `UserError`."""
     model_dir = modelio.resolve_model(model)
     modelio.check_architecture(model_dir, "pack")
-    source = SafetensorsFiles(modelio.weight_files(model_dir))
+    source = modelio.source_files(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     if cfg.get("quantization_config"):
         raise UserError(f"{model_dir} is already quantized ({cfg['quantization_config'].get('quant_method')}): pack needs a bf16/fp16 model")

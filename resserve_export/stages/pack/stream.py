@@ -210,10 +210,11 @@ class _Pipeline:
 
     def copy(self, name: str) -> None:
         """Write the source tensor `name` unquantized (runs on the writer)."""
-        if self.source.changes(name):
-            self.mw.write(name, self.source.get(name))  # a norm (or bias) the AWQ scales fold into
-            return
         e = self.source.entries[name]
+        if self.source.changes(name) or e.part is not None:
+            # A norm (or bias) the AWQ scales fold into, or a part of a tensor stored fused.
+            self.mw.write(name, self.source.get(name))
+            return
         try:
             fd = os.open(e.path, os.O_RDONLY)
         except OSError as err:

@@ -54,9 +54,17 @@ def calibrated(families, name: str, texts: Path, root: Path) -> Path:
 
 def expected_quantized(name: str, shapes) -> set[str]:
     """The language model's decoder linears: 2-D ``.weight`` tensors inside decoder layers, outside
-    the family's exact prefixes (vision tower, projector)."""
+    the family's exact prefixes (vision tower, projector), routers (``mlp.gate``) excepted; experts
+    fused on disk (``experts.gate_up_proj`` / ``down_proj``, E experts) count as E gate / up / down
+    linears. `shapes`: as stored."""
     out = set()
     for k, (_, shape) in shapes.items():
+        if k.endswith((".experts.gate_up_proj", ".experts.down_proj")) and len(shape) == 3:
+            leaves = ("gate_proj", "up_proj") if k.endswith("gate_up_proj") else ("down_proj",)
+            out |= {f"{k.rsplit('.', 1)[0]}.{e}.{leaf}" for e in range(shape[0]) for leaf in leaves}
+            continue
+        if k.endswith(".mlp.gate.weight"):
+            continue
         model_level = k.endswith("per_layer_model_projection.weight")  # Gemma 4: vLLM quantizes it too
         if not k.endswith(".weight") or len(shape) != 2 or k.startswith(EXACT[name]) or (".layers." not in k and not model_level):
             continue
@@ -85,7 +93,7 @@ def test_family_packs_its_language_model_and_copies_the_rest(families, name, tex
     model = families[name]
     shapes = modelio.tensor_shapes(model)
     calib = calibrated(families, name, texts, tmp_path_factory.mktemp("c"))
-    want = expected_quantized(name, shapes)
+    want = expected_quantized(name, modelio.stored_shapes(model))
     got = {m for g in json.loads((calib / "calibration.json").read_text())["groups"] for m in g}
     assert got == want and want
 
@@ -93,7 +101,10 @@ def test_family_packs_its_language_model_and_copies_the_rest(families, name, tex
     for fmt in ("nvfp4", "mxfp4"):
         out = pack(model, calib, tmp_path / fmt, fmt, ratio=0.25, progress=False).out
         written = raw(modelio.weight_files(out))
-        quantized = {k for k in source if k.endswith(".weight") and k[: -len(".weight")] in want}
+        # experts fused on disk are quantized one linear per expert (parts of the stored tensor)
+        fused = {p.source for p in fam.expert_parts(json.loads((model / "config.json").read_text()), modelio.stored_shapes(model)).values()}
+        assert bool(fused) == name.startswith("qwen3_vl_moe")
+        quantized = {k for k in source if k.endswith(".weight") and k[: -len(".weight")] in want} | fused
         copied = set(source) - quantized
         assert copied <= set(written) and all(written[k] == source[k] for k in copied)  # byte for byte, keys as on disk
         assert any(k.startswith(EXACT[name]) for k in copied) or not EXACT[name]
@@ -121,14 +132,60 @@ def test_family_packs_its_language_model_and_copies_the_rest(families, name, tex
             assert torch.equal(dec["weight"].float(), q.dequantize())
         # size from config.json alone: every tensor as on disk, and the bytes pack wrote
         src_cfg = json.loads((model / "config.json").read_text())
-        if name != "gemma3_v5_names":  # transformers saves hub names; this copy was renamed after saving
-            assert shapes_from_config(src_cfg) == shapes
+        if name not in ("gemma3_v5_names", "qwen3_vl_moe_hub"):  # these copies were rewritten after transformers saved them
+            assert shapes_from_config(src_cfg) == modelio.stored_shapes(model)
             rep = estimate(src_cfg, fmt, ratio=0.25)
             w = written_classes(out)
             assert {k: rep.classes[k] for k in w} == w
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gemma4", "qwen3_5"])
+def test_experts_fused_on_disk_are_quantized_per_expert_in_either_orientation(families, texts, tmp_path_factory, tmp_path):
+    """Qwen3-VL-MoE's experts, stored fused output-major (as transformers saves them) or
+    input-major (as hub checkpoints do): each expert's gate / up / down, cut from the fused tensors
+    here, is quantized as the reference quantizes that linear, gate and up sharing one global
+    scale; both orientations calibrate to the same statistics and pack to the same bytes."""
+    import torch
+    from safetensors.torch import load_file
+
+    from resserve_export.formats import nvfp4
+    from resserve_export.formats import ops as formats
+    from tests.fixtures.tensors import bits
+
+    written = {}
+    for name in ("qwen3_vl_moe", "qwen3_vl_moe_hub"):
+        model = families[name]
+        calib = calibrated(families, name, texts, tmp_path_factory.mktemp("c"))
+        out = pack(model, calib, tmp_path / name, "nvfp4", ratio=0.0, progress=False).out
+        stored = {k: t for f in modelio.weight_files(model) for k, t in load_file(str(f)).items()}
+        ck = read_checkpoint(out)
+        n = 0
+        for k, gu in stored.items():
+            if not k.endswith(".experts.gate_up_proj"):
+                continue
+            prefix, dn = k.rsplit(".", 1)[0], stored[k.replace("gate_up_proj", "down_proj")]
+            for e in range(gu.shape[0]):
+                if name.endswith("_hub"):  # [E, H, 2I] and [E, I, H]
+                    I = gu.shape[2] // 2
+                    w = {"gate_proj": gu[e][:, :I].T, "up_proj": gu[e][:, I:].T, "down_proj": dn[e].T}
+                else:  # [E, 2I, H] and [E, H, I]
+                    I = gu.shape[1] // 2
+                    w = {"gate_proj": gu[e][:I], "up_proj": gu[e][I:], "down_proj": dn[e]}
+                for members in (("gate_proj", "up_proj"), ("down_proj",)):
+                    alpha = nvfp4.global_scale(torch.stack([w[m].abs().amax().float() for m in members]).max())
+                    for m in members:
+                        ref = formats.quantize(w[m].contiguous(), "nvfp4", alpha=alpha, backend="reference")
+                        got = ck[f"{prefix}.{e}.{m}"].base
+                        assert torch.equal(got.codes, ref.codes) and torch.equal(bits(got.scales), bits(ref.scales))
+                        n += 1
+        assert n == 2 * 4 * 3  # two MoE layers, four experts, three projections
+        salience = load_file(str(calib / "salience.safetensors"))
+        written[name] = (raw(modelio.weight_files(out)), salience)
+    (a, sa), (b, sb) = written.values()
+    assert a == b
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma4", "qwen3_5", "qwen3_vl_moe_hub"])
 def test_verify_reads_back_a_family_checkpoint(families, name, texts, tmp_path_factory, tmp_path):
     """verify loads the model with its own class under the checkpoint's names: the stored weights
     equal a fresh quantization and compensation lowers the linears' output error."""
@@ -142,7 +199,6 @@ def test_verify_reads_back_a_family_checkpoint(families, name, texts, tmp_path_f
 
 @pytest.mark.parametrize("name, tensor", [
     ("llama4", "model.layers.0.feed_forward.experts.down_proj"),
-    ("qwen3_vl_moe", "model.language_model.layers.0.mlp.experts.down_proj"),
 ])
 def test_experts_fused_on_disk_are_refused_naming_the_tensor(families, name, tensor, texts, tmp_path):
     shapes = modelio.tensor_shapes(families[name])
