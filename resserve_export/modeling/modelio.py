@@ -327,9 +327,13 @@ def build_empty(cfg: dict, config, dtype: torch.dtype | None = None):
 
 def as_checkpoint(model, model_dir: Path):
     """`model` under its checkpoint's tensor names when a family adapter covers it
-    (`view.checkpoint_view`: transformers renames some families' modules on load), else itself."""
+    (`view.checkpoint_view`: transformers renames some families' modules on load), in the form
+    the adapter gives it (`families.adapt`), else itself."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return checkpoint_view(model, tensor_shapes(Path(model_dir))) if families.has_adapter(cfg) else model
+    if not families.has_adapter(cfg):
+        return model
+    families.adapt(model, cfg)
+    return checkpoint_view(model, tensor_shapes(Path(model_dir)))
 
 
 def _from_pretrained(model_dir: Path, **kw):

@@ -82,17 +82,23 @@ def _segment_stats_gemm(rows, weight, lengths, acc_sum, acc_amax) -> None:
         acc_amax.copy_(torch.maximum(acc_amax, peak))
 
 
-def every_expert_stats(mod, x, acc_sum, acc_amax, chunk_bytes: int = EXPERT_CHUNK_BYTES) -> None:
+def every_expert_stats(mod, x, acc_sum, acc_amax, chunk_bytes: int = EXPERT_CHUNK_BYTES, scales=None, acc_in=None) -> None:
     """``--moe-calib all``: Σ|act(gate)·up| and its amax for every expert on every row of ``x``,
     the experts taken `chunk_bytes` of products at a time, each chunk's gate/up products one batched
     GEMM over its experts (one launch, not one per expert). On a GPU the chunk's statistics are
     two reductions over its rows (float64 sums: exact for bf16 / fp16 products, so in any order
     the one-hot product of `_segment_stats_gemm` gives); on the CPU each expert's rows go
-    through `_segment_stats`, whose float32 reduction fixes the order."""
+    through `_segment_stats`, whose float32 reduction fixes the order.
+
+    With `scales` (``[rows, E]``; experts whose routing weight scales their input, Llama 4) expert
+    e reads ``x · scales[:, e]``, rounded to x's dtype as the model's forward rounds it, and the
+    statistics of those inputs go to `acc_in` (``(Σ|x| [E, H], amax [E])``)."""
 
     w = mod.gate_up_proj  # [E, 2I, H]
     E, n = w.shape[0], x.shape[0]
     per_expert = max(1, n * w.shape[1] * 2 * x.element_size())  # the gate/up product and act·up
+    if scales is not None:
+        per_expert += n * x.shape[1] * x.element_size()  # the expert's scaled input
     step = max(1, min(E, chunk_bytes // per_expert))
     # cuBLAS picks another algorithm for a batched float32 GEMM than for one expert's (outputs
     # differ in the last bits, measured on an H200); in bf16 / fp16 both agree. Float32 on a GPU
@@ -102,21 +108,31 @@ def every_expert_stats(mod, x, acc_sum, acc_amax, chunk_bytes: int = EXPERT_CHUN
     seg = torch.full((1,), n, dtype=torch.int64, device=x.device)
     for e0 in range(0, E, step):
         e1 = min(E, e0 + step)
+        xe = x
+        if scales is not None:
+            xe = x.unsqueeze(0) * scales[:, e0:e1].t().unsqueeze(-1).to(x.dtype)  # [experts, rows, H]
+            _rows_stats(xe, ones, seg, acc_in[0][e0:e1], acc_in[1][e0:e1])
         if exact_per_expert:  # written in place: a stacked copy would hold the chunk twice
             prod = x.new_empty((e1 - e0, n, w.shape[1]))
             for c in range(e1 - e0):
-                torch.matmul(x, w[e0 + c].t(), out=prod[c])
+                torch.matmul(xe if scales is None else xe[c], w[e0 + c].t(), out=prod[c])
         else:
-            prod = torch.matmul(x, w[e0:e1].transpose(-2, -1))
+            prod = torch.matmul(xe, w[e0:e1].transpose(-2, -1))
         gate, up = prod.chunk(2, dim=-1)
         h = mod.act_fn(gate) * up  # [experts, rows, I]
-        if x.device.type == "cpu":
-            for c in range(e1 - e0):
-                _segment_stats(h[c], ones, seg, acc_sum[e0 + c : e0 + c + 1], acc_amax[e0 + c : e0 + c + 1])
-            continue
-        acc_sum[e0:e1] += torch.linalg.vector_norm(h, ord=1, dim=1, dtype=torch.float64)
-        peak = torch.linalg.vector_norm(h, ord=float("inf"), dim=(1, 2)).float()
-        acc_amax[e0:e1] = torch.maximum(acc_amax[e0:e1], peak)
+        _rows_stats(h, ones, seg, acc_sum[e0:e1], acc_amax[e0:e1])
+
+
+def _rows_stats(h, ones, seg, acc_sum, acc_amax) -> None:
+    """Σ|h| and amax over the rows of each expert's ``h[c]`` (``[experts, rows, width]``) into
+    ``acc_sum[c]`` / ``acc_amax[c]``, as `every_expert_stats` takes them on the device."""
+    if h.device.type == "cpu":
+        for c in range(h.shape[0]):
+            _segment_stats(h[c], ones, seg, acc_sum[c : c + 1], acc_amax[c : c + 1])
+        return
+    acc_sum += torch.linalg.vector_norm(h, ord=1, dim=1, dtype=torch.float64)
+    peak = torch.linalg.vector_norm(h, ord=float("inf"), dim=(1, 2)).float()
+    acc_amax.copy_(torch.maximum(acc_amax, peak))
 
 
 def _install(mod, forward) -> tuple[str, object]:
@@ -204,6 +220,7 @@ class ExpertCollector(Observer):
             if not acc:
                 self._init(acc, b, dev)
             valid = self._valid_at(dev)
+            on_input = getattr(mod, "weights_on_input", False)  # Llama 4: the weight scales the expert's input
             with torch.no_grad():
                 ids = top_k_index.reshape(-1)
                 ids_sorted, perm = torch.sort(ids, stable=True)
@@ -213,9 +230,14 @@ class ExpertCollector(Observer):
                 counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
                 offs = counts.cumsum(0).to(torch.int32)
                 xs = hidden_states[token]
+                slot_w = top_k_weights.reshape(-1)[perm, None]
+                if on_input:
+                    xs = xs * slot_w.to(xs.dtype)
                 gate, up = _grouped_mm(xs, mod.gate_up_proj, offs).chunk(2, dim=-1)
                 h = mod.act_fn(gate) * up
-                y = _grouped_mm(h, mod.down_proj, offs) * top_k_weights.reshape(-1)[perm, None]
+                y = _grouped_mm(h, mod.down_proj, offs)
+                if not on_input:
+                    y = y * slot_w
                 inv = torch.empty_like(perm)
                 inv[perm] = torch.arange(perm.shape[0], device=dev)
                 # back to (token, slot) order by a gather (a scatter of the rows runs ~5x slower on a GPU)
@@ -230,7 +252,11 @@ class ExpertCollector(Observer):
                     return out
                 routed = torch.zeros(E, dtype=torch.int64, device=dev).index_add_(0, ids_sorted, keep.long())
                 acc["routed"] += routed
-                if self.mode == "routed":
+                if self.mode == "routed" and on_input:
+                    # gate/up read the token rows scaled by their weight: the sorted rows themselves
+                    _segment_stats(xs, keep, counts, acc["sum_in"], acc["amax_in"])
+                    _segment_stats(h, keep, counts, acc["sum_mid"], acc["amax_mid"])
+                elif self.mode == "routed":
                     # gate/up read the token rows themselves: Σ|x| per expert is one product of the
                     # (valid) routing matrix with |x|, in float64 (exact for bf16 / fp16 inputs)
                     r = torch.zeros(T, E, dtype=torch.float64, device=dev)
@@ -249,6 +275,11 @@ class ExpertCollector(Observer):
                     n = idx.shape[0]
                     ones = torch.ones(n, dtype=torch.bool, device=dev)
                     seg = torch.full((1,), n, dtype=torch.int64, device=dev)  # made on the device: no host copy, no sync
+                    if on_input:  # each expert's input: every token scaled by its score for that expert
+                        scores = mod.router_scores.index_select(0, idx)
+                        every_expert_stats(mod, everyone, acc["sum_mid"], acc["amax_mid"], scales=scores, acc_in=(acc["sum_in"], acc["amax_in"]))
+                        acc["rows"] += n
+                        return out
                     one = torch.zeros(1, b.hidden, dtype=torch.float64, device=dev)
                     peak = torch.zeros(1, dtype=torch.float32, device=dev)
                     _segment_stats(everyone, ones, seg, one, peak)

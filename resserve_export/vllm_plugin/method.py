@@ -21,7 +21,12 @@ and computes, over the rows routed to it, exactly what two compensated linears c
 the expert's input α, vLLM's native SiLU-and-mul in the model dtype, W2 with its own α. The mode
 follows the same rule, from the rows of the whole engine step (a decode step's experts use full
 compensation however few rows each receives). The routing weight times each expert's output is
-added into an FP32 sum per token, cast to the model dtype.
+added into an FP32 sum per token, cast to the model dtype; where the model weights the expert's
+input instead (Llama 4: ``apply_router_weight_on_input``), the input rows are scaled by it in the
+model dtype and the outputs summed unweighted.
+
+A model whose vLLM loader permutes a linear's stored rows (Llama 4's ``q_proj`` / ``k_proj``, for
+its rotary layout) has the members' sidecar rows permuted the same way (`rotary_row_heads`).
 """
 
 from __future__ import annotations
@@ -218,9 +223,12 @@ class ResServeConfig(QuantizationConfig):
             raise ValueError(f"resserve: fused members {members} carry different ratios {sorted(ratios)}")
         return ratios.pop()
 
-    def load_weight(self, members: list[str], ratio: float, base: FP4Tensor) -> LoadedWeight:
+    def load_weight(self, members: list[str], ratio: float, base: FP4Tensor, row_heads: list[int | None] | None = None) -> LoadedWeight:
         """A (fused) linear's weight for :func:`quantized_matmul`: the stored base `base` (the
-        members' rows in order) with the members' sidecar mask and K-Ext extension."""
+        members' rows in order, as vLLM loaded them) with the members' sidecar mask and K-Ext
+        extension. `row_heads`: per member, the head count of the rotary row permutation vLLM's
+        model applied to that member's stored rows at load (`rotary_row_heads`), applied to its
+        extension rows too."""
         side = self.sidecar
         members = [self.checkpoint_names.get(m, m) for m in members]  # the sidecar's names
         mask = None
@@ -232,8 +240,9 @@ class ResServeConfig(QuantizationConfig):
             mask = masks[0]
         if mode_of(ratio) == "k_ext":
             f = self.format
-            codes = torch.cat([side.get(f"{m}.{EXT_WEIGHT_SUFFIX}") for m in members])
-            scales = f.as_scales(torch.cat([side.get(f"{m}.{EXT_SCALE_SUFFIX}") for m in members]))
+            heads = row_heads or [None] * len(members)
+            codes = torch.cat([permute_rows(side.get(f"{m}.{EXT_WEIGHT_SUFFIX}"), h) for m, h in zip(members, heads)])
+            scales = f.as_scales(torch.cat([permute_rows(side.get(f"{m}.{EXT_SCALE_SUFFIX}"), h) for m, h in zip(members, heads)]))
             w_ext = dequantize(FP4Tensor(f.name, codes, scales, base.global_scale))
         return LoadedWeight(self.fmt, ratio, self.rounding, mask, dequantize(base), w_ext)
 
@@ -242,6 +251,35 @@ class ResServeConfig(QuantizationConfig):
         if self._sidecar is None:
             self._sidecar = Sidecar(_model_dir())
         return self._sidecar
+
+
+def rotary_row_heads(member: str) -> int | None:
+    """The head count by which vLLM's model of the checkpoint being built permutes the rows of
+    linear `member` at load, else None. vLLM's Llama 4 model turns the checkpoint's interleaved
+    rotary pairs of ``q_proj`` / ``k_proj`` into halves (``permute_qk_weight_for_rotary``: per head,
+    rows ``(pair, 2)`` transposed to ``(2, pair)``); the sidecar's rows of those members must move
+    with them."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    cfg = get_current_vllm_config_or_none()
+    mc = getattr(cfg, "model_config", None)
+    text = getattr(mc, "hf_text_config", None)
+    if getattr(text, "model_type", None) not in ("llama4_text", "llama4"):
+        return None
+    leaf = member.rsplit(".", 1)[-1]
+    if leaf == "q_proj":
+        return int(text.num_attention_heads)
+    if leaf == "k_proj":
+        return int(text.num_key_value_heads)
+    return None
+
+
+def permute_rows(t: torch.Tensor, heads: int | None) -> torch.Tensor:
+    """`t`'s rows as vLLM's Llama 4 loader permutes a q / k projection's rows (`rotary_row_heads`)."""
+    if heads is None:
+        return t
+    rows = t.shape[0]
+    return t.reshape(heads, rows // heads // 2, 2, -1).transpose(1, 2).reshape(t.shape)
 
 
 # The stock methods we wrap create vLLM-parameter objects that need the v2 (fused-shard) loader.
@@ -257,6 +295,7 @@ class ResServeLinearMethod(LinearMethodBase):
         self.ratio = config.ratio(members)
         self.mode = mode_of(self.ratio)
         self.decode_rows = decode_rows()
+        self.row_heads = [rotary_row_heads(m) for m in members]  # read now: vLLM's config context is that of this model
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size, params_dtype, **extra):
         self.inner.create_weights(
@@ -274,7 +313,7 @@ class ResServeLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer) -> None:
         base, input_alpha = self._base(layer)
-        layer.resserve = self.config.load_weight(self.members, self.ratio, base)
+        layer.resserve = self.config.load_weight(self.members, self.ratio, base, self.row_heads)
         layer.resserve_input_alpha = input_alpha
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -310,8 +349,10 @@ class ResServeMoEMethod(FusedMoEMethodBase):
         self.prefix = prefix
         self.decode_rows = decode_rows()
         leaves = (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)
-        if leaves[1] is None or layer.apply_router_weight_on_input:
-            raise ValueError(f"resserve: {prefix}: only gated experts with routing weights on the output are supported")
+        if leaves[1] is None:
+            raise ValueError(f"resserve: {prefix}: only gated experts are supported")
+        # Llama 4: the routing weight scales the expert's input, and outputs are summed unweighted
+        self.weights_on_input = bool(layer.apply_router_weight_on_input)
         if tuple(ROLES.get(leaf) for leaf in leaves) != ("gate", "up", "down"):
             raise ValueError(f"resserve: {prefix}: expert projections {leaves} are not the gate / up / down that pack names")
         self.leaves = leaves
@@ -369,9 +410,11 @@ class ResServeMoEMethod(FusedMoEMethodBase):
             rows, pos = routed_rows(topk_ids, e)
             if not rows.numel():
                 continue
-            h = self._product(w13, x[rows], step_rows).to(dt)
+            w = topk_weights[rows, pos, None]
+            xe = x[rows] * w.to(dt) if self.weights_on_input else x[rows]
+            h = self._product(w13, xe, step_rows).to(dt)
             y = self._product(w2, act_and_mul(layer.activation, h), step_rows).to(dt)
-            acc.index_add_(0, rows, y.float() * topk_weights[rows, pos, None].float())
+            acc.index_add_(0, rows, y.float() if self.weights_on_input else y.float() * w.float())
         return acc.to(dt)
 
 

@@ -302,6 +302,7 @@ def test_triton_segment_statistics_equal_the_exact_sums():
 SMALL, MODEL_SIZED = (7, 37, 64, 48), (16, 301, 2048, 768)  # experts, rows, hidden, intermediate
 
 
+@pytest.mark.parametrize("scaled", [False, True], ids=["routed-on-output", "routed-on-input"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     "device, shape",
@@ -312,11 +313,13 @@ SMALL, MODEL_SIZED = (7, 37, 64, 48), (16, 301, 2048, 768)  # experts, rows, hid
         pytest.param("cuda", MODEL_SIZED, marks=CUDA.marks, id="cuda-model-sized"),
     ],
 )
-def test_every_expert_chunks_equal_the_per_expert_loop(device, dtype, shape):
+def test_every_expert_chunks_equal_the_per_expert_loop(device, dtype, shape, scaled):
     """``--moe-calib all``'s batched GEMMs over chunks of experts give the statistics of one GEMM
     per expert bit for bit (the loop the collector ran before), for every chunk size: one expert,
     several chunks with a remainder, all experts at once. The loop reduces as the collector always
-    did: in float32 by `torch.segment_reduce` on the CPU, exactly (float64) on a GPU."""
+    did: in float32 by `torch.segment_reduce` on the CPU, exactly (float64) on a GPU. `scaled`
+    (Llama 4): expert e reads every row times its score for e, rounded to the dtype as the model
+    rounds it, and the statistics of those inputs are taken too."""
     from resserve_export.observers.experts import every_expert_stats
 
     g = torch.Generator().manual_seed(3)
@@ -326,21 +329,31 @@ def test_every_expert_chunks_equal_the_per_expert_loop(device, dtype, shape):
     mod.act_fn = F.silu
     x = (torch.randn(n, H, generator=g) * torch.rand(H, generator=g) * 4).to(dtype).to(device)
 
+    scores = torch.rand(n, E, generator=g).to(dtype).to(device) if scaled else None
+
+    def reduce(a):
+        if device == "cpu":
+            return torch.segment_reduce(a.float(), "sum", lengths=torch.tensor([n]), axis=0, initial=0)[0].double().cpu()
+        return a.double().sum(0).cpu()
+
     ref_sum = torch.zeros(E, I, dtype=torch.float64)
     ref_amax = torch.zeros(E, dtype=torch.float32)
+    ref_in_sum = torch.zeros(E, H, dtype=torch.float64)
+    ref_in_amax = torch.zeros(E, dtype=torch.float32)
     for e in range(E):
-        gate, up = (x @ mod.gate_up_proj[e].t()).chunk(2, dim=-1)
+        xe = x * scores[:, e : e + 1] if scaled else x
+        gate, up = (xe @ mod.gate_up_proj[e].t()).chunk(2, dim=-1)
         a = (F.silu(gate) * up).abs()
-        if device == "cpu":
-            s = torch.segment_reduce(a.float(), "sum", lengths=torch.tensor([n]), axis=0, initial=0)[0].double()
-        else:
-            s = a.double().sum(0)
-        ref_sum[e], ref_amax[e] = s.cpu(), a.amax().float().cpu()
+        ref_sum[e], ref_amax[e] = reduce(a), a.amax().float().cpu()
+        ref_in_sum[e], ref_in_amax[e] = reduce(xe.abs()), xe.abs().amax().float().cpu()
 
-    per_expert = n * 2 * I * 2 * x.element_size()
+    per_expert = n * 2 * I * 2 * x.element_size() + (n * H * x.element_size() if scaled else 0)
     for chunk in (1, 3 * per_expert, 1 << 30):
         acc_sum = torch.zeros(E, I, dtype=torch.float64, device=device)
         acc_amax = torch.zeros(E, dtype=torch.float32, device=device)
-        every_expert_stats(mod, x, acc_sum, acc_amax, chunk_bytes=chunk)
+        acc_in = (torch.zeros(E, H, dtype=torch.float64, device=device), torch.zeros(E, dtype=torch.float32, device=device))
+        every_expert_stats(mod, x, acc_sum, acc_amax, chunk_bytes=chunk, scales=scores, acc_in=acc_in if scaled else None)
         assert torch.equal(acc_sum.cpu(), ref_sum), chunk
         assert torch.equal(acc_amax.cpu(), ref_amax), chunk
+        if scaled:
+            assert torch.equal(acc_in[0].cpu(), ref_in_sum) and torch.equal(acc_in[1].cpu(), ref_in_amax), chunk

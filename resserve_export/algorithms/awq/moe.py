@@ -54,6 +54,12 @@ class MoELayers:
             raise ValueError("the folds of mixture-of-experts layers need the checkpoint's tensor headers")
         self.blocks = blocks
         self._paths = {p: (path, mod) for p, (path, mod) in fused_paths(model, blocks).items()}
+        for p, (_, mod) in self._paths.items():
+            if getattr(mod, "weights_on_input", False):
+                raise UserError(
+                    f"AWQ does not support experts whose routing weight scales their input (Llama 4: {p}) yet: "
+                    "calibrate without --weight-algo awq"
+                )
         self._mods = dict(model.named_modules())
         self._routers = routers(shapes, blocks)
 

@@ -148,6 +148,14 @@ def unfused_shapes(config: dict, shapes: dict[str, tuple[str, tuple[int, ...]]])
     return out
 
 
+def adapt(model, config: dict) -> None:
+    """Give the loaded `model` the form the tool's hooks expect, where its family needs one
+    (`Family.adapt`; in place)."""
+    f = family_of(config).adapt
+    if f is not None:
+        f(model)
+
+
 def check_loadable(config: dict, arch: str | None) -> bool:
     """Whether `arch` is the wrapper class of a vision-language family (loaded with its own class)."""
     return family_of(config).wrapper and bool(arch) and arch.endswith("ForConditionalGeneration")
@@ -160,4 +168,4 @@ def has_adapter(config: dict) -> bool:
     return family_of(config) is not text.FAMILY
 
 
-__all__ = ["FAMILIES", "Family", "family_of", "expert_parts", "unfused_shapes", "is_exact", "kept_as", "check_tensors", "check_loadable", "has_adapter"]
+__all__ = ["FAMILIES", "Family", "family_of", "expert_parts", "unfused_shapes", "adapt", "is_exact", "kept_as", "check_tensors", "check_loadable", "has_adapter"]

@@ -4,12 +4,14 @@ exact, and what is refused (and why) before any work."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # Why a tensor holding every expert of a layer is refused (`Family.refused`).
 FUSED_EXPERTS = (
-    "every expert of its layer in one tensor (experts fused on disk, as Llama 4, gpt-oss and Qwen3-VL-MoE store them); "
-    "quantizing experts stored fused is not supported yet"
+    "every expert of its layer in one tensor (experts fused on disk), in a layout this tool does not read (it reads "
+    "Qwen3-VL-MoE's and Llama 4's gate_up_proj [E, H, 2I] / down_proj [E, I, H] pairs, or their transposes; "
+    "gpt-oss's, interleaved and with biases, not yet)"
 )
 
 
@@ -40,7 +42,8 @@ class Family:
     exactly (convolutions, state-space parameters), matched anywhere in the name. `refused`:
     ``(pattern, why)`` for tensors this tool cannot quantize yet; a checkpoint holding one is
     refused before any work with that reason. `experts_on_disk`: how the family stores experts
-    fused on disk (`FusedOnDisk`), when it does.
+    fused on disk (`FusedOnDisk`), when it does. `adapt`: called on the loaded model (in place)
+    where its modules need another form for the tool's hooks (Llama 4's experts).
     """
 
     name: str
@@ -51,6 +54,7 @@ class Family:
     kept: tuple[tuple[str, str], ...] = ()
     refused: tuple[tuple[str, str], ...] = ()
     experts_on_disk: FusedOnDisk | None = None
+    adapt: Callable[[object], None] | None = None
     test: str = ""
 
     def __post_init__(self):
