@@ -33,9 +33,29 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+def places(source, names) -> tuple[dict[str, int], list[str], int]:
+    """Where the tensors `names` of `source` lie in a slab: {name: offset}, the names whose bytes
+    are read (the first of each range: the parts of one stored tensor, e.g. an expert's gate and
+    up projections out of its fused ``gate_up_proj``, share the bytes read once), and the slab's
+    bytes."""
+    at: dict[str, int] = {}
+    first: dict[tuple, int] = {}
+    reads: list[str] = []
+    off = 0
+    for n in names:
+        e = source.entries[n]
+        key = (e.path, e.start, e.nbytes)
+        if key not in first:
+            first[key] = off
+            reads.append(n)
+            off += aligned(e.nbytes)
+        at[n] = first[key]
+    return at, reads, off
+
+
 def slab_bytes(source, names) -> int:
     """Bytes of a slab that holds the tensors `names` of `source`."""
-    return sum(aligned(source.entries[n].nbytes) for n in names)
+    return places(source, names)[2]
 
 
 class Slab:
@@ -53,7 +73,7 @@ class Reading:
     (futures, or None for a read already done) that `SlabReader.wait` waits for."""
 
     slab: Slab
-    names: list[str]
+    at: dict[str, int]  # name -> offset in the slab
     jobs: list[Future | None]
 
 
@@ -104,16 +124,15 @@ class SlabReader:
     def submit(self, names: list[str], slab: Slab) -> Reading:
         """Start reading the tensors `names` into `slab` (after its event)."""
         jobs: list[Future | None] = []
-        off = 0
-        for name in names:
+        at, reads, _ = places(self.source, names)
+        for name in reads:
             e = self.source.entries[name]
             fd = self._fd(name, e)
-            view = slab.buf[off : off + e.nbytes]
+            view = slab.buf[at[name] : at[name] + e.nbytes]
             for a in range(0, e.nbytes, self.chunk):
                 args = (fd, name, e, view, a, min(a + self.chunk, e.nbytes), slab.event)
                 jobs.append(self.pool.submit(read_chunk, *args) if self.pool is not None else read_chunk(*args))
-            off += aligned(e.nbytes)
-        return Reading(slab, list(names), jobs)
+        return Reading(slab, at, jobs)
 
     def wait(self, reading: Reading) -> dict[str, torch.Tensor]:
         """{name: tensor} of a submitted reading once read: views of its slab in each tensor's
@@ -122,11 +141,10 @@ class SlabReader:
         for j in reading.jobs:
             if j is not None:
                 j.result()
-        out, off = {}, 0
-        for name in reading.names:
+        out = {}
+        for name, off in reading.at.items():
             e = self.source.entries[name]
             out[name] = e.present(reading.slab.buf[off : off + e.nbytes].view(ST_DTYPES[e.dtype][0]))
-            off += aligned(e.nbytes)
         return out
 
     def close(self) -> None:
@@ -155,4 +173,4 @@ def read_chunk(fd: int, name: str, e, view: torch.Tensor, a: int, b: int, event)
         done += got
 
 
-__all__ = ["READ_CHUNK", "ALIGN", "Slab", "Reading", "SlabReader", "aligned", "slab_bytes", "read_chunk"]
+__all__ = ["READ_CHUNK", "ALIGN", "Slab", "Reading", "SlabReader", "aligned", "places", "slab_bytes", "read_chunk"]

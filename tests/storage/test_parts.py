@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from resserve_export.storage.reader import SlabReader, slab_bytes
+from resserve_export.storage.reader import SlabReader, aligned, slab_bytes
 from resserve_export.storage.safetensors import Part, SafetensorsFiles
 
 E, A, B = 3, 48, 20
@@ -42,9 +42,14 @@ def test_parts_read_as_the_slices_of_the_stored_tensor(stored):
     assert set(files.keys()) == {"x.other", *(f"p{i}" for i in range(len(CUTS)))}
     assert torch.equal(files.get("x.other"), other)
     names = [f"p{i}" for i in range(len(CUTS))]
+    # parts of one sub-tensor (experts 1 and 2 twice each) share its bytes, read once: 3 of 5
+    sub = A * B * 2
+    assert slab_bytes(files, names) == 3 * aligned(sub)
     with SlabReader(files, slab_bytes(files, names), 1, pin=False, threads=2, chunk=64) as reader:
         slab = reader.take()
-        read = reader.wait(reader.submit(names, slab))
+        reading = reader.submit(names, slab)
+        assert len(reading.jobs) == 3 * -(-sub // 64)
+        read = reader.wait(reading)
     for i, (_, cut) in enumerate(CUTS):
         want = cut(fused)
         name = f"p{i}"
