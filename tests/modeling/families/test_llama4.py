@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import load_file
 
 from resserve_export.api import calibrate
-from resserve_export.core.errors import UserError
 from resserve_export.modeling import modelio
 from resserve_export.modeling import data
 from resserve_export.stages.calibrate.config import make_config
 
+from tests.fixtures.console import assert_one_line_error, run_main
 from tests.fixtures.models import varied_texts, write_jsonl
 
 pytestmark = pytest.mark.xdist_group("families")
@@ -125,7 +125,10 @@ def _calibration_tokens(model_dir, texts, out):
 
 
 def test_awq_refuses_experts_scaled_on_their_input(families, texts, tmp_path):
-    with pytest.raises(UserError, match=r"^AWQ does not support experts whose routing weight scales their input \(Llama 4: .*\) yet"):
-        calibrate(str(families["llama4"]), tmp_path / "c", dataset=str(texts), num_samples=2, seq_len=16, scores="none",
-                  weight_algo="awq", format="nvfp4", progress=False)
+    """`calibrate --weight-algo awq` on Llama 4: one line naming why, exit 2, nothing written."""
+    p = run_main("calibrate", str(families["llama4"]), "--out", str(tmp_path / "c"), "--dataset", str(texts), "--num-samples", "2",
+                 "--seq-len", "16", "--scores", "none", "--weight-algo", "awq", "--format", "nvfp4", "--dtype", "float32")
+    err = assert_one_line_error(p, 2)
+    assert err == ("error: AWQ does not support experts whose routing weight scales their input "
+                   "(Llama 4: model.layers.0.feed_forward.experts) yet: calibrate without --weight-algo awq")
     assert not (tmp_path / "c").exists()
