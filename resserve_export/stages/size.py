@@ -105,7 +105,8 @@ def shapes_from_config(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
 def shapes_from_transformers(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
     """The tensors a checkpoint of `cfg` holds on disk, from transformers' model of its family
     built without weights (meta device) and named as transformers saves it (its load-time renaming
-    reversed: ``language_model.model.layers.…`` for Gemma 3, ``backbone.…`` for Nemotron-H)."""
+    reversed: ``language_model.model.layers.…`` for Gemma 3, ``backbone.…`` for Nemotron-H), with the
+    family's hub names where they differ (`Family.disk_names`)."""
     import transformers  # 3-5 s: only `size` of an adapter family pays it
     from accelerate import init_empty_weights
     from transformers.core_model_loading import revert_weight_conversion
@@ -123,6 +124,8 @@ def shapes_from_transformers(cfg: dict) -> dict[str, tuple[str, tuple[int, ...]]
     tensors = {n: p for n, p in model.named_parameters(remove_duplicate=True) if n not in tied}
     tensors.update({n: b for n, b in model.named_buffers() if n.rpartition(".")[2] not in _non_persistent(model, n)})
     on_disk = revert_weight_conversion(model, tensors)
+    for prefix, hub in families.family_of(cfg).disk_names:
+        on_disk = {hub + n[len(prefix):] if n.startswith(prefix) else n: t for n, t in on_disk.items()}
     text = cfg.get("text_config") or {}
     dt = _ST_DTYPE.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or text.get("dtype") or text.get("torch_dtype") or "bfloat16"), "BF16")
     return {n: (dt if t.is_floating_point() else _ST_INT[t.dtype], tuple(t.shape)) for n, t in on_disk.items()}

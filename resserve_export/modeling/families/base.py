@@ -43,7 +43,9 @@ class Family:
     ``(pattern, why)`` for tensors this tool cannot quantize yet; a checkpoint holding one is
     refused before any work with that reason. `experts_on_disk`: how the family stores experts
     fused on disk (`FusedOnDisk`), when it does. `adapt`: called on the loaded model (in place)
-    where its modules need another form for the tool's hooks (Llama 4's experts).
+    where its modules need another form for the tool's hooks (Llama 4's experts). `disk_names`:
+    ``(prefix, hub prefix)`` pairs where the family's hub checkpoints name tensors otherwise than
+    transformers writes them (`size` counts the hub names' header bytes).
     """
 
     name: str
@@ -55,6 +57,7 @@ class Family:
     refused: tuple[tuple[str, str], ...] = ()
     experts_on_disk: FusedOnDisk | None = None
     adapt: Callable[[object], None] | None = None
+    disk_names: tuple[tuple[str, str], ...] = ()
     test: str = ""
 
     def __post_init__(self):
