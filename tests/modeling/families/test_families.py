@@ -63,7 +63,7 @@ def expected_quantized(name: str, shapes) -> set[str]:
             leaves = ("gate_proj", "up_proj") if k.endswith("gate_up_proj") else ("down_proj",)
             out |= {f"{k.rsplit('.', 1)[0]}.{e}.{leaf}" for e in range(shape[0]) for leaf in leaves}
             continue
-        if k.endswith((".mlp.gate.weight", ".feed_forward.router.weight")):  # routers
+        if k.endswith((".mlp.gate.weight", ".feed_forward.router.weight", ".mlp.shared_expert_gate.weight")):  # routers, the shared expert's gate
             continue
         model_level = k.endswith("per_layer_model_projection.weight")  # Gemma 4: vLLM quantizes it too
         if not k.endswith(".weight") or len(shape) != 2 or k.startswith(EXACT[name]) or (".layers." not in k and not model_level):
@@ -185,7 +185,7 @@ def test_experts_fused_on_disk_are_quantized_per_expert_in_either_orientation(fa
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gemma4", "qwen3_5", "qwen3_vl_moe_hub", "llama4", "llama4_vl"])
+@pytest.mark.parametrize("name", ["gemma3", "gemma4", "qwen3_5", "qwen3_5_moe", "qwen3_vl_moe_hub", "llama4", "llama4_vl"])
 def test_verify_reads_back_a_family_checkpoint(families, name, texts, tmp_path_factory, tmp_path):
     """verify loads the model with its own class under the checkpoint's names: the stored weights
     equal a fresh quantization and compensation lowers the linears' output error."""
