@@ -30,7 +30,11 @@ weights and the calibration, not from the checkpoint (tests/vllm_scripts/referen
 (g) a hybrid family (tiny random Nemotron-H: Mamba-2 mixers beside attention and MLP layers, hub
     names ``backbone.…``) at rho = 0.25, NVFP4 and MXFP4, stock and with the resserve method,
     generates its FP32 reference's greedy tokens and matches every logprob to LOGPROB_ATOL;
-(h) Llama 4 (tiny random, experts fused on disk, routing weight on the experts' input) likewise.
+(h) Llama 4 (tiny random, experts fused on disk, routing weight on the experts' input) likewise;
+(i) the vision-language families (Gemma 3, Gemma 4, Qwen2.5-VL, Qwen3-VL and its MoE, Mistral 3,
+    Qwen3.5 dense and MoE, Llama 4 multimodal), whose vLLM model files cannot be imported here (no
+    torchvision beside the CPU torch): vLLM's own model class and weight loader take every tensor
+    of our NVFP4 and MXFP4 checkpoints and load every parameter (tests/vllm_scripts/load_check.py).
 
 Up to the logits, the reference computes what the engine computes, bit for bit. FP4 activation
 quantization is discontinuous: a last-bit difference anywhere upstream of a quantizer can move one
@@ -115,26 +119,41 @@ def env(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("vllm")
     md = C.model_dir()
-    tok = modelio.load_tokenizer(md)
-    model = modelio.load_model(md)
-    calib = C.calibrate(model, tok, md, work / "calib")
-    del model
+    # The AWQ calibration (the longest one) in a process of its own from the start (see awq_calib).
+    awq = start_awq_calibration(md, work / "calib-awq")
+    try:
+        tok = modelio.load_tokenizer(md)
+        model = modelio.load_model(md)
+        calib = C.calibrate(model, tok, md, work / "calib")
+        del model
+    except BaseException:
+        awq.kill()
+        raise
     chat = tok.apply_chat_template(list(C.CHAT), add_generation_prompt=True, tokenize=True)
     env = {
-        "work": work, "md": md, "calib": calib, "runs": {}, "refs": {}, "models": {}, "batches": {}, "pending": {}, "batch_of": {},
+        "work": work, "md": md, "calib": calib, "awq_proc": awq, "runs": {}, "refs": {}, "models": {}, "batches": {}, "pending": {}, "batch_of": {},
         "prompts": [tok(p)["input_ids"] for p in C.PROMPTS],
         # What the server tests send: the first prompt to /v1/completions, C.CHAT to /v1/chat/completions.
         "served": [tok(C.PROMPTS[0])["input_ids"], list(chat["input_ids"] if hasattr(chat, "keys") else chat)],
         "windows": C.token_windows(tok, C.texts_dir() / C.EVAL_FILE, 4, 128, start=1000),
     }
-    # Every checkpoint is packed here and the engines start in the background: the tests compute
-    # their references while the engines run.
+    # The default model's references are computed in a process of their own, and every checkpoint
+    # is packed here while the engines start in the background: all of them run side by side.
     try:
+        start_references(env)
         start_engines(env)
         yield env
+        # Where the engines' time went (pytest -rA shows it): per run, building the engine and
+        # everything up to its shutdown.
+        print("engine runs (build s / all s):", ", ".join(
+            f"{name} {r['load_s']:.0f}/{r['wall_s']:.0f}" for name, r in env["runs"].items() if "load_s" in r))
     finally:
         for proc in env["batches"].values():
             proc.kill()
+        for proc in (env.get("ref_proc"), awq):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
         for stack in env.get("stacks", []):
             stack.close()
 
@@ -161,9 +180,10 @@ MP = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # the engine core in its own proce
 BATCH_ENV = {"stock": STOCK, "resserve": PLUGIN, "resserve-mp": {**PLUGIN, **MP}}
 KV_RUNS = [(0.0, "stock"), (0.25, "resserve")]
 CHECKPOINT_WAIT_S = 3600  # how long a run waits for its checkpoint to be packed
-# Batches running at once (each holds an engine: about 3 GB with its 1 GiB KV cache); the others
-# start, in BATCH_ENV's order, as running ones finish.
-ENGINE_PROCS = 2
+# Batches running at once (each holds an engine: about 3 GB with its 1 GiB KV cache): all three, so
+# that none starts alone at the end (the multiprocess engine's build takes 40 s); with more
+# batches, the others start in BATCH_ENV's order as running ones finish.
+ENGINE_PROCS = 3
 
 
 def engine_plan(env) -> dict[str, tuple[str, tuple[Path, "callable"], dict]]:
@@ -296,9 +316,46 @@ def reference(env, fmt: str, ratio: float, arithmetic: str):
     return env["refs"][key]
 
 
+# The default model's references that the tests compare engine runs with, as (name, calibration,
+# format, ratio, arithmetic, smoothed): computed ahead by tests/vllm_scripts/references.py.
+def ref_plan(env) -> list[dict]:
+    awq = str(env["work"] / "calib-awq")  # awq_calib(env): written last by the env fixture
+    refs = [(f"{fmt}-r{ratio}-{a}", str(env["calib"]), fmt, ratio, a, False)
+            for fmt, ratio, a in (("nvfp4", 0.0, "vllm"), ("mxfp4", 0.0, "vllm"), ("nvfp4", 0.25, "fp32"), ("mxfp4", 0.25, "fp32"))]
+    refs += [(f"awq-nvfp4-r{ratio}-{a}", awq, "nvfp4", ratio, a, True) for ratio, a in ((0.0, "vllm"), (0.25, "fp32"))]
+    return [dict(zip(("name", "calib", "fmt", "ratio", "arithmetic", "smoothed"), r)) for r in refs]
+
+
+def start_references(env) -> None:
+    import subprocess
+
+    job = {"md": str(env["md"]), "prompts": env["prompts"], "windows": env["windows"], "decode_rows": DECODE_ROWS,
+           "wait_s": CHECKPOINT_WAIT_S, "refs": ref_plan(env)}
+    (env["work"] / "references.job.json").write_text(json.dumps(job))
+    env["ref_log"] = env["work"] / "references.log"
+    with open(env["ref_log"], "wb") as log:
+        env["ref_proc"] = subprocess.Popen(
+            [sys.executable, str(Path(C.__file__).with_name("references.py")), str(env["work"] / "references.job.json"), str(env["work"] / "refs")],
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+
+def ref_outputs(env, name: str) -> dict:
+    """{"tokens", "lps"} of the reference `name` of `ref_plan`, once references.py wrote it."""
+    path = env["work"] / "refs" / f"{name}.pt"
+    deadline = time.monotonic() + CHECKPOINT_WAIT_S
+    while not path.exists():
+        if env["ref_proc"].poll() is not None or time.monotonic() > deadline:
+            if not path.exists():
+                tail = "\n".join(env["ref_log"].read_text(errors="replace").splitlines()[-40:])
+                raise RuntimeError(f"reference {name} was not computed (exit {env['ref_proc'].poll()}):\n{tail}")
+        time.sleep(1)
+    return torch.load(path, weights_only=True)
+
+
 def reference_tokens(env, fmt: str, ratio: float, arithmetic: str) -> list[list[int]]:
-    ref = reference(env, fmt, ratio, arithmetic)
-    return [C.greedy(ref, p, 32) for p in env["prompts"]]
+    return ref_outputs(env, f"{fmt}-r{ratio}-{arithmetic}")["tokens"]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -326,10 +383,11 @@ def logprob_diffs(lp: torch.Tensor, ids: list[int], s: dict) -> torch.Tensor:
 
 
 def check_scores(env, run: dict, ref, label: str) -> None:
-    """Every prompt and held-out logprob to LOGPROB_ATOL; held-out perplexity to PPL_RTOL."""
+    """Every prompt and held-out logprob to LOGPROB_ATOL; held-out perplexity to PPL_RTOL. `ref`:
+    the reference model, or its outputs (`ref_outputs`)."""
     n = len(env["prompts"])
     seqs = env["prompts"] + env["windows"]
-    lps = [C.logprobs(ref, ids) for ids in seqs]
+    lps = ref["lps"] if isinstance(ref, dict) else [C.logprobs(ref, ids) for ids in seqs]
     diffs = [logprob_diffs(lp, ids, s) for lp, ids, s in zip(lps, seqs, run["score"])]
     nll = sum(-float(lp[torch.arange(len(w) - 1), torch.tensor(w[1:])].sum()) for lp, w in zip(lps[n:], seqs[n:]))
     ref_ppl = math.exp(nll / sum(len(w) - 1 for w in seqs[n:]))
@@ -377,7 +435,7 @@ def test_nvfp4_plain_generates_reference_tokens(env):
     run = engine(env, "nvfp4-plain")
     assert run["quantization"] == "modelopt_fp4_admit_fp32"
     check_tokens(run, tokens, "NVFP4 plain, stock vLLM")
-    check_scores(env, run, reference(env, "nvfp4", 0.0, "vllm"), "NVFP4 plain, stock vLLM")
+    check_scores(env, run, ref_outputs(env, "nvfp4-r0.0-vllm"), "NVFP4 plain, stock vLLM")
 
 
 def test_mxfp4_plain_generates_reference_tokens(env):
@@ -385,7 +443,7 @@ def test_mxfp4_plain_generates_reference_tokens(env):
     run = engine(env, "mxfp4-plain")
     assert run["quantization"] == "compressed-tensors"
     check_tokens(run, tokens, "MXFP4 plain, stock vLLM")
-    check_scores(env, run, reference(env, "mxfp4", 0.0, "vllm"), "MXFP4 plain, stock vLLM")
+    check_scores(env, run, ref_outputs(env, "mxfp4-r0.0-vllm"), "MXFP4 plain, stock vLLM")
 
 
 def test_extended_checkpoint_is_plain_w4a4_in_stock_vllm(env):
@@ -414,7 +472,7 @@ def test_resserve_method_matches_fp32_reference(env):
     # Prompts are longer than DECODE_ROWS: the prefill uses K-Ext, each decode step full compensation.
     assert min(len(p) for p in env["prompts"]) > DECODE_ROWS
     check_tokens(run, tokens, "NVFP4 rho=0.25, resserve method")
-    check_scores(env, run, reference(env, "nvfp4", 0.25, "fp32"), "NVFP4 rho=0.25, resserve method")
+    check_scores(env, run, ref_outputs(env, "nvfp4-r0.25-fp32"), "NVFP4 rho=0.25, resserve method")
 
 
 def test_resserve_perplexity_below_plain_w4a4(env):
@@ -441,9 +499,10 @@ def test_awq_checkpoint_in_stock_vllm_and_resserve_method(env):
     stores them) and matching its logprobs."""
     calib, path = awq_calib(env), awq_ckpt(env)
     assert json.loads((path / "config.json").read_text())["quantization_config"]["resserve"]["provenance"]["weight_algo"]["name"] == "awq"
+    assert calib == env["work"] / "calib-awq"  # the calibration the references process waits for
     for method, ratio, arithmetic in (("stock", 0.0, "vllm"), ("resserve", 0.25, "fp32")):
-        ref = C.smoothed_reference(env["md"], calib, "nvfp4", ratio, arithmetic=arithmetic, decode_rows=DECODE_ROWS, attention="vllm-cpu")
-        tokens = [C.greedy(ref, p, 32) for p in env["prompts"]]
+        ref = ref_outputs(env, f"awq-nvfp4-r{ratio}-{arithmetic}")  # common.smoothed_reference's, computed ahead
+        tokens = ref["tokens"]
         run = engine(env, f"nvfp4-awq-r0.25-{method}")
         assert run["quantization"] == ("modelopt_fp4_admit_fp32" if method == "stock" else "resserve")
         check_tokens(run, tokens, f"NVFP4 AWQ rho=0.25, {method} method")
@@ -457,7 +516,7 @@ def test_resserve_method_serves_mxfp4(env):
     run = engine(env, "mxfp4-r0.25-resserve")
     assert run["quantization"] == "resserve"
     check_tokens(run, tokens, "MXFP4 rho=0.25, resserve method")
-    check_scores(env, run, reference(env, "mxfp4", 0.25, "fp32"), "MXFP4 rho=0.25, resserve method")
+    check_scores(env, run, ref_outputs(env, "mxfp4-r0.25-fp32"), "MXFP4 rho=0.25, resserve method")
     plain = engine(env, "mxfp4-plain")
     n = len(env["prompts"])
     p_plain, p_comp = perplexity(plain["score"][n:]), perplexity(run["score"][n:])
@@ -566,8 +625,26 @@ def test_vllm_cpu_fp8_kv_cache_rounds_toward_zero(env):
         assert int((nearest != stored).sum()) > len(x) // 10
 
 
+def start_awq_calibration(md: Path, out: Path):
+    """`common.calibrate_awq(md, out)` in a background process (one thread, as this one): it
+    takes minutes on one core, and run here last it held the engines and the references up."""
+    import subprocess
+
+    code = f"import sys; sys.path.insert(0, {str(Path(C.__file__).parent)!r}); import common; from pathlib import Path; " \
+           f"common.calibrate_awq(Path({str(md)!r}), Path({str(out)!r}))"
+    with open(out.with_name("calib-awq.log"), "wb") as log:
+        return subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                                cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def awq_calib(env) -> Path:
-    return C.calibrate_awq(env["md"], env["work"] / "calib-awq")
+    """The AWQ calibration, once its process (`start_awq_calibration`) has written it."""
+    out, proc = env["work"] / "calib-awq", env["awq_proc"]
+    code = proc.wait(timeout=CHECKPOINT_WAIT_S)
+    if code != 0 or not (out / "calibration.json").exists():
+        tail = "\n".join(out.with_name("calib-awq.log").read_text(errors="replace").splitlines()[-40:])
+        raise RuntimeError(f"the AWQ calibration failed (exit {code}):\n{tail}")
+    return out
 
 
 def awq_ckpt(env) -> Path:
@@ -663,17 +740,24 @@ def family_model(env, name: str) -> tuple[Path, Path]:
     reference on the same weights). Its lm_head is scaled by 64 for peaked next-token
     distributions (logprobs -17 to -77, not all near -log V), so that logprobs tell arithmetics apart."""
     from resserve_export import api
-    from tests.fixtures.families import _build
+    from tests.fixtures.families import _build, _hub_vision_names, _input_major
     from tests.fixtures.models import add_tokenizer, varied_texts, write_jsonl
 
     md, calib = env["work"] / name, env["work"] / f"{name}-calib"
     if not (md / "config.json").exists():
         torch.manual_seed(0)
-        model = _build(name)
+        # hub layouts that transformers does not save (tests/fixtures/families.py)
+        hub = {"qwen3_vl_moe_hub": "qwen3_vl_moe"}.get(name)
+        model = _build(hub or name)
         with torch.no_grad():
-            model.lm_head.weight.mul_(64)
-        model.to(torch.bfloat16).save_pretrained(md)
-        add_tokenizer(md)
+            model.get_output_embeddings().weight.mul_(64)
+        saved = env["work"] / f"{hub}-saved" if hub else md
+        model.to(torch.bfloat16).save_pretrained(saved)
+        add_tokenizer(saved)
+        if name == "gemma3":
+            _hub_vision_names(md)
+        if hub:
+            _input_major(saved, md)
     if not (calib / "calibration.json").exists():
         texts = write_jsonl(env["work"] / f"{name}-texts.jsonl", varied_texts(8))
         api.calibrate(str(md), calib, dataset=str(texts), num_samples=4, seq_len=32, batch_size=2, scores="none", progress=False)
@@ -739,7 +823,7 @@ def llama4_reference(env, fmt: str, ratio: float, arithmetic: str):
 
     from resserve_export.algorithms.selection import mode_of
     from resserve_export.modeling import modelio
-    from resserve_export.modeling.experts import expert_blocks, unfused
+    from resserve_export.modeling.experts import expert_blocks, expert_parts, unfused
 
     key = ("llama4", fmt, ratio, arithmetic)
     if key in env["refs"]:
@@ -749,9 +833,9 @@ def llama4_reference(env, fmt: str, ratio: float, arithmetic: str):
     if arithmetic == "vllm" and fmt == "nvfp4":
         shared: dict = {}
         for k in salience:
-            m = re.match(r"(.*\.experts)\.\d+\.(\w+)$", k)
-            if m:
-                shared.setdefault((m[1], m[2] == "down_proj"), []).append(k)
+            if (parts := expert_parts(k)) is not None:
+                prefix, _, role = parts
+                shared.setdefault((prefix, role), []).append(k)
         for ks in shared.values():
             top = torch.stack([salience[k][1] for k in ks]).max()
             salience.update({k: (salience[k][0], top) for k in ks})
@@ -759,7 +843,7 @@ def llama4_reference(env, fmt: str, ratio: float, arithmetic: str):
     stack = contextlib.ExitStack()
     stack.enter_context(unfused(model, expert_blocks(modelio.tensor_shapes(md))))
     emulate_model(model, salience, fmt, ratio, arithmetic=arithmetic, decode_rows=DECODE_ROWS)
-    experts = [m for n, m in model.named_modules() if re.search(r"\.experts\.\d+\.", n) and hasattr(m, "decode_rows")]
+    experts = [m for n, m in model.named_modules() if expert_parts(n) is not None and hasattr(m, "decode_rows")]
     base = mode_of(ratio)
     for m in experts:
         m.decode_rows = None
@@ -795,6 +879,92 @@ def test_llama4_serves_in_vllm(env, fmt, method):
         diff = max(max(abs(a - b) for a, b in zip(x["actual"], y["actual"])) for x, y in zip(run["score"], plain["score"]))
         print(f"{label}: largest |logprob diff| against plain W4A4 {diff:.2e}")
         assert diff > 10 * LOGPROB_ATOL
+
+
+# -- Vision-language families: vLLM's own model class and weight loader ---------------------------
+#
+# vllm-cpu cannot import the vision-language model files here (they import torchvision, which the
+# vLLM venv cannot have: see the Makefile), so no engine runs them. tests/vllm_scripts/load_check.py
+# builds each family's vLLM model class as an engine would build it and runs the class's own
+# weight loader over our checkpoint (a placeholder torchvision stands in for the imports alone),
+# following every checkpoint tensor into the parameters. Packed at rho = 0.25, NVFP4 and MXFP4;
+# loaded by stock vLLM (RESSERVE_VLLM_METHOD=0) and with the resserve method.
+
+VLM_FAMILIES = ("gemma3", "gemma4", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe_hub", "mistral3", "qwen3_5", "qwen3_5_moe", "llama4_vl")
+# Parameters that vLLM's attention layer makes under any quantization config and fills with its
+# defaults when a checkpoint has no attention or KV-cache scales (we write those only for --kv-cache).
+ATTN_DEFAULTS = re.compile(r"\.attn\.((k|v|q|prob)_scale|(k|v|q)_zero_point)$")
+# The control: a tensor vLLM's Qwen2 loader skips by name (a rotary inverse-frequency buffer).
+SKIPPED = "model.language_model.layers.0.self_attn.rotary_emb.inv_freq"
+
+
+def vlm_ckpt(env, name: str, fmt: str) -> Path:
+    md, calib = family_model(env, name)
+    return C.pack(md, calib, env["work"] / f"{name}-{fmt}", fmt, 0.25)
+
+
+def with_skipped_tensor(src: Path, dst: Path) -> Path:
+    """A copy of checkpoint `src` with SKIPPED added to its first file and its index."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    tensors = load_file(str(dst / first))
+    tensors[SKIPPED] = torch.ones(8)
+    save_file(tensors, str(dst / first), metadata={"format": "pt"})
+    index["weight_map"][SKIPPED] = first
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def vlm_loads(env) -> dict:
+    """{method: {checkpoint dir: load_check.py's report}} for every VLM_FAMILIES checkpoint and
+    the control, under "stock" and "resserve" (two processes side by side)."""
+    ckpts = [str(vlm_ckpt(env, name, fmt)) for name in VLM_FAMILIES for fmt in ("nvfp4", "mxfp4")]
+    control = with_skipped_tensor(vlm_ckpt(env, "qwen2_5_vl", "nvfp4"), env["work"] / "qwen2_5_vl-nvfp4-skipped")
+    runs = {m: C.EngineRun({"checkpoints": [*ckpts, str(control)]}, env["work"], f"load-{m}", BATCH_ENV[m], timeout=1200,
+                           script="load_check.py") for m in ("stock", "resserve")}
+    return {m: run.result() for m, run in runs.items()}
+
+
+def checkpoint_tensors(path: Path) -> set[str]:
+    return set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"])
+
+
+@pytest.mark.parametrize("name", VLM_FAMILIES)
+def test_vision_language_family_loads_in_vllms_model_class(env, vlm_loads, name):
+    """The family's checkpoint, NVFP4 and MXFP4, built into vLLM's own model class for it (the
+    config's architecture, under vLLM's ModelOpt / compressed-tensors method or the resserve
+    method) by the class's own weight loader: every tensor of the checkpoint was read into a
+    parameter (the vision tower, projector and embeddings exact, the decoder linears quantized),
+    and every parameter was loaded, but those the attention layer fills with defaults."""
+    for fmt, stock in (("nvfp4", "modelopt_fp4"), ("mxfp4", "compressed-tensors")):
+        path = env["work"] / f"{name}-{fmt}"
+        arch = json.loads((path / "config.json").read_text())["architectures"][0]
+        for method, quantization in (("stock", stock), ("resserve", "resserve")):
+            r = vlm_loads[method][str(path)]
+            label = f"{name} {fmt} {method}"
+            assert "error" not in r, f"{label}: {r.get('error')}\n{r.get('traceback', '')}"
+            assert (r["architecture"], r["model_class"], r["quantization"]) == (arch, arch, quantization), label
+            assert r["tensors"] == len(checkpoint_tensors(path)), label
+            assert r["unread"] == [], f"{label}: checkpoint tensors no parameter took: {r['unread']}"
+            missing = [n for n in r["not_loaded"] if not ATTN_DEFAULTS.search(n)]
+            assert missing == [], f"{label}: parameters not loaded: {missing}"
+
+
+def test_load_check_reports_a_tensor_the_loader_skips(env, vlm_loads):
+    """The control of the test above: a tensor that vLLM's loader skips by name is reported as
+    read by no parameter (and is the only one)."""
+    path = env["work"] / "qwen2_5_vl-nvfp4-skipped"
+    for method in ("stock", "resserve"):
+        r = vlm_loads[method][str(path)]
+        assert "error" not in r, r.get("traceback")
+        assert r["tensors"] == len(checkpoint_tensors(path))
+        assert r["unread"] == [SKIPPED]
 
 
 # -- Mixture-of-experts checkpoints --------------------------------------------------------------

@@ -211,11 +211,12 @@ RUN_MARKER = "=== resserve test engine run:"
 
 
 class EngineRun:
-    """tests/vllm_scripts/engine.py running in the vllm venv, in the background: ``result()``
+    """tests/vllm_scripts/engine.py (or another `script` of that folder with the same arguments)
+    running in the vllm venv, in the background: ``result()``
     waits for it and returns its JSON output. Its stdout and stderr go, in order, to one log file
     (workdir / f"{name}.log")."""
 
-    def __init__(self, job: dict, workdir: Path, name: str, env: dict | None = None, timeout: int = 900):
+    def __init__(self, job: dict, workdir: Path, name: str, env: dict | None = None, timeout: int = 900, script: str = "engine.py"):
         self.name, self.timeout = name, timeout
         self.job_path, self.out_path, self.log = workdir / f"{name}.job.json", workdir / f"{name}.out.json", workdir / f"{name}.log"
         self.job_path.write_text(json.dumps(job))
@@ -226,7 +227,7 @@ class EngineRun:
         with open(self.log, "wb") as log:
             # A session of its own: `kill` takes the engine-core process of a multiprocess engine too.
             self.proc = subprocess.Popen(
-                [str(vllm_python()), str(HERE / "engine.py"), str(self.job_path), str(self.out_path)],
+                [str(vllm_python()), str(HERE / script), str(self.job_path), str(self.out_path)],
                 env=e, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
 
