@@ -319,7 +319,7 @@ def reference(env, fmt: str, ratio: float, arithmetic: str):
 # The default model's references that the tests compare engine runs with, as (name, calibration,
 # format, ratio, arithmetic, smoothed): computed ahead by tests/vllm_scripts/references.py.
 def ref_plan(env) -> list[dict]:
-    awq = str(env["work"] / "calib-awq")  # awq_calib(env): written last by the env fixture
+    awq = str(env["work"] / "calib-awq")  # awq_calib(env): written by its own process (start_awq_calibration)
     refs = [(f"{fmt}-r{ratio}-{a}", str(env["calib"]), fmt, ratio, a, False)
             for fmt, ratio, a in (("nvfp4", 0.0, "vllm"), ("mxfp4", 0.0, "vllm"), ("nvfp4", 0.25, "fp32"), ("mxfp4", 0.25, "fp32"))]
     refs += [(f"awq-nvfp4-r{ratio}-{a}", awq, "nvfp4", ratio, a, True) for ratio, a in ((0.0, "vllm"), (0.25, "fp32"))]
