@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch.nn import functional as F
@@ -155,6 +157,53 @@ def _uninstall(mod, installed: tuple[str, object] | None) -> None:
         mod.__dict__[name] = previous
 
 
+@dataclass(frozen=True)
+class _Routed:
+    """One grouped forward of an experts module: the (token, slot) pairs sorted by expert, the
+    rows each expert read (``xs``) and produced in the middle (``h``, ``act(gate) · up``), and the
+    module's output."""
+
+    ids: torch.Tensor  # expert of each (token, slot) pair, in (token, slot) order
+    ids_sorted: torch.Tensor
+    token: torch.Tensor  # the token of each sorted pair
+    counts: torch.Tensor  # rows per expert
+    offs: torch.Tensor  # their running sum (int32, the grouped GEMM's offsets)
+    xs: torch.Tensor
+    h: torch.Tensor
+    out: torch.Tensor
+    on_input: bool
+
+
+def _grouped_forward(mod, hidden_states, top_k_index, top_k_weights, E: int) -> _Routed:
+    """The experts' output as transformers' ``grouped_mm`` experts compute it: rows sorted by
+    expert, one grouped GEMM per projection; the routing weight scales the output, or the input
+    where the module says ``weights_on_input`` (Llama 4)."""
+
+    T, k, dev = hidden_states.shape[0], top_k_index.shape[-1], hidden_states.device
+    on_input = getattr(mod, "weights_on_input", False)
+    ids = top_k_index.reshape(-1)
+    ids_sorted, perm = torch.sort(ids, stable=True)
+    token = perm // k
+    # per-expert row counts without a device sync (bincount reads the maximum back to
+    # the host: once per layer, that stalls the launch queue of a GPU forward)
+    counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
+    offs = counts.cumsum(0).to(torch.int32)
+    xs = hidden_states[token]
+    slot_w = top_k_weights.reshape(-1)[perm, None]
+    if on_input:
+        xs = xs * slot_w.to(xs.dtype)
+    gate, up = _grouped_mm(xs, mod.gate_up_proj, offs).chunk(2, dim=-1)
+    h = mod.act_fn(gate) * up
+    y = _grouped_mm(h, mod.down_proj, offs)
+    if not on_input:
+        y = y * slot_w
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.shape[0], device=dev)
+    # back to (token, slot) order by a gather (a scatter of the rows runs ~5x slower on a GPU)
+    out = y[inv].view(T, k, -1).sum(1).to(hidden_states.dtype)  # a fixed order: deterministic
+    return _Routed(ids, ids_sorted, token, counts, offs, xs, h, out, on_input)
+
+
 class ExpertCollector(Observer):
     """Per-expert Σ|x| (float64), amax and token counts over the valid (non-padding) tokens, for
     every fused experts module of the model. While installed, each module's forward is replaced
@@ -205,12 +254,13 @@ class ExpertCollector(Observer):
         )
 
     def _forward(self, mod, b: ExpertBlock, acc: dict):
-
+        """The grouped forward installed on `mod`: its output as the model computes it, and the
+        statistics of the batch's valid tokens taken on the way."""
 
         def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
             if self.valid is None:
                 raise RuntimeError("ExpertCollector.set_mask() must be called before each forward pass")
-            T, k, E = hidden_states.shape[0], top_k_index.shape[-1], b.num_experts
+            T, E = hidden_states.shape[0], b.num_experts
             dev = hidden_states.device
             if self.valid.numel() != T:
                 raise UserError(
@@ -219,77 +269,69 @@ class ExpertCollector(Observer):
                 )
             if not acc:
                 self._init(acc, b, dev)
-            valid = self._valid_at(dev)
-            on_input = getattr(mod, "weights_on_input", False)  # Llama 4: the weight scales the expert's input
             with torch.no_grad():
-                ids = top_k_index.reshape(-1)
-                ids_sorted, perm = torch.sort(ids, stable=True)
-                token = perm // k
-                # per-expert row counts without a device sync (bincount reads the maximum back to
-                # the host: once per layer, that stalls the launch queue of a GPU forward)
-                counts = torch.zeros(E, dtype=torch.int64, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
-                offs = counts.cumsum(0).to(torch.int32)
-                xs = hidden_states[token]
-                slot_w = top_k_weights.reshape(-1)[perm, None]
-                if on_input:
-                    xs = xs * slot_w.to(xs.dtype)
-                gate, up = _grouped_mm(xs, mod.gate_up_proj, offs).chunk(2, dim=-1)
-                h = mod.act_fn(gate) * up
-                y = _grouped_mm(h, mod.down_proj, offs)
-                if not on_input:
-                    y = y * slot_w
-                inv = torch.empty_like(perm)
-                inv[perm] = torch.arange(perm.shape[0], device=dev)
-                # back to (token, slot) order by a gather (a scatter of the rows runs ~5x slower on a GPU)
-                out = y[inv].view(T, k, -1).sum(1).to(hidden_states.dtype)  # a fixed order: deterministic
-
-                keep = valid[token]
-                if self.mode == "routed" and segment_stats.available(dev):
-                    # one pass per statistic over the rows sorted by expert (gate/up: the gathered
-                    # token rows; down: act(gate)·up), the routed-token count taken with the first
-                    segment_stats.segment_stats(xs, keep, offs, acc["sum_in"], acc["amax_in"], acc["routed"])
-                    segment_stats.segment_stats(h, keep, offs, acc["sum_mid"], acc["amax_mid"])
-                    return out
-                routed = torch.zeros(E, dtype=torch.int64, device=dev).index_add_(0, ids_sorted, keep.long())
-                acc["routed"] += routed
-                if self.mode == "routed" and on_input:
-                    # gate/up read the token rows scaled by their weight: the sorted rows themselves
-                    _segment_stats(xs, keep, counts, acc["sum_in"], acc["amax_in"])
-                    _segment_stats(h, keep, counts, acc["sum_mid"], acc["amax_mid"])
-                elif self.mode == "routed":
-                    # gate/up read the token rows themselves: Σ|x| per expert is one product of the
-                    # (valid) routing matrix with |x|, in float64 (exact for bf16 / fp16 inputs)
-                    r = torch.zeros(T, E, dtype=torch.float64, device=dev)
-                    r.scatter_(1, top_k_index, 1.0)
-                    r *= valid[:, None]
-                    a = hidden_states.abs()
-                    acc["sum_in"] += r.t() @ a.to(torch.float64)
-                    row_max = a.amax(1).float() * valid
-                    peak = torch.zeros(E, dtype=torch.float32, device=dev).scatter_reduce_(0, ids, row_max.repeat_interleave(k), "amax")
-                    acc["amax_in"].copy_(torch.maximum(acc["amax_in"], peak))
-                    _segment_stats(h, keep, counts, acc["sum_mid"], acc["amax_mid"])
+                r = _grouped_forward(mod, hidden_states, top_k_index, top_k_weights, E)
+                if self.mode == "routed":
+                    self._routed_stats(r, acc, hidden_states, top_k_index, E)
                 else:
-                    # every expert on every valid token, for its statistics only
-                    idx = self._valid_at(dev, index=True)
-                    everyone = hidden_states.index_select(0, idx)
-                    n = idx.shape[0]
-                    ones = torch.ones(n, dtype=torch.bool, device=dev)
-                    seg = torch.full((1,), n, dtype=torch.int64, device=dev)  # made on the device: no host copy, no sync
-                    if on_input:  # each expert's input: every token scaled by its score for that expert
-                        scores = mod.router_scores.index_select(0, idx)
-                        every_expert_stats(mod, everyone, acc["sum_mid"], acc["amax_mid"], scales=scores, acc_in=(acc["sum_in"], acc["amax_in"]))
-                        acc["rows"] += n
-                        return out
-                    one = torch.zeros(1, b.hidden, dtype=torch.float64, device=dev)
-                    peak = torch.zeros(1, dtype=torch.float32, device=dev)
-                    _segment_stats(everyone, ones, seg, one, peak)
-                    acc["sum_in"] += one
-                    acc["amax_in"].copy_(torch.maximum(acc["amax_in"], peak))
-                    every_expert_stats(mod, everyone, acc["sum_mid"], acc["amax_mid"])
-                    acc["rows"] += n
-            return out
+                    self._every_expert_stats(r, mod, b, acc, hidden_states)
+            return r.out
 
         return forward
+
+    def _routed_stats(self, r: _Routed, acc: dict, hidden_states, top_k_index, E: int) -> None:
+        """``--moe-calib routed``: each expert's statistics over the valid tokens routed to it."""
+
+        dev = hidden_states.device
+        valid = self._valid_at(dev)
+        keep = valid[r.token]
+        if segment_stats.available(dev):
+            # one pass per statistic over the rows sorted by expert (gate/up: the gathered
+            # token rows; down: act(gate)·up), the routed-token count taken with the first
+            segment_stats.segment_stats(r.xs, keep, r.offs, acc["sum_in"], acc["amax_in"], acc["routed"])
+            segment_stats.segment_stats(r.h, keep, r.offs, acc["sum_mid"], acc["amax_mid"])
+            return
+        acc["routed"] += torch.zeros(E, dtype=torch.int64, device=dev).index_add_(0, r.ids_sorted, keep.long())
+        if r.on_input:
+            # gate/up read the token rows scaled by their weight: the sorted rows themselves
+            _segment_stats(r.xs, keep, r.counts, acc["sum_in"], acc["amax_in"])
+        else:
+            # gate/up read the token rows themselves: Σ|x| per expert is one product of the
+            # (valid) routing matrix with |x|, in float64 (exact for bf16 / fp16 inputs)
+            k = top_k_index.shape[-1]
+            routing = torch.zeros(hidden_states.shape[0], E, dtype=torch.float64, device=dev)
+            routing.scatter_(1, top_k_index, 1.0)
+            routing *= valid[:, None]
+            a = hidden_states.abs()
+            acc["sum_in"] += routing.t() @ a.to(torch.float64)
+            row_max = a.amax(1).float() * valid
+            peak = torch.zeros(E, dtype=torch.float32, device=dev).scatter_reduce_(0, r.ids, row_max.repeat_interleave(k), "amax")
+            acc["amax_in"].copy_(torch.maximum(acc["amax_in"], peak))
+        _segment_stats(r.h, keep, r.counts, acc["sum_mid"], acc["amax_mid"])
+
+    def _every_expert_stats(self, r: _Routed, mod, b: ExpertBlock, acc: dict, hidden_states) -> None:
+        """``--moe-calib all``: every expert on every valid token, for its statistics only (the
+        routed-token counts still go to the record)."""
+
+        dev = hidden_states.device
+        keep = self._valid_at(dev)[r.token]
+        acc["routed"] += torch.zeros(b.num_experts, dtype=torch.int64, device=dev).index_add_(0, r.ids_sorted, keep.long())
+        idx = self._valid_at(dev, index=True)
+        everyone = hidden_states.index_select(0, idx)
+        n = idx.shape[0]
+        acc["rows"] += n
+        if getattr(mod, "weights_on_input", False):  # each expert's input: every token scaled by its score for that expert
+            scores = mod.router_scores.index_select(0, idx)
+            every_expert_stats(mod, everyone, acc["sum_mid"], acc["amax_mid"], scales=scores, acc_in=(acc["sum_in"], acc["amax_in"]))
+            return
+        ones = torch.ones(n, dtype=torch.bool, device=dev)
+        seg = torch.full((1,), n, dtype=torch.int64, device=dev)  # made on the device: no host copy, no sync
+        one = torch.zeros(1, b.hidden, dtype=torch.float64, device=dev)
+        peak = torch.zeros(1, dtype=torch.float32, device=dev)
+        _segment_stats(everyone, ones, seg, one, peak)
+        acc["sum_in"] += one
+        acc["amax_in"].copy_(torch.maximum(acc["amax_in"], peak))
+        every_expert_stats(mod, everyone, acc["sum_mid"], acc["amax_mid"])
 
     def end_batch(self) -> None:
         """Stop at the first expert block whose activations hold NaN/Inf."""
