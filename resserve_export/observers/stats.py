@@ -119,9 +119,10 @@ class StatsCollector(Observer):
     def _cpu_reduce(self, xf, acc):
         """Σ|x| over rows and max |x| on CPU, in row chunks that stay in cache.
 
-        Each chunk is copied into a reused float buffer, made absolute in place, summed with a
-        GEMV and max-reduced: the activation is read from memory once, and no large temporary
-        is allocated (page faults of fresh buffers cost as much as the arithmetic).
+        Each chunk is copied into a reused float buffer, made absolute in place, summed (float32:
+        row by row, the compiled reduction's order; float64: a GEMV) and max-reduced: the
+        activation is read from memory once, and no large temporary is allocated (page faults of
+        fresh buffers cost as much as the arithmetic).
         """
         torch = self._torch
         t, k = xf.shape
@@ -137,7 +138,13 @@ class StatsCollector(Observer):
         for i in range(0, t, rows):
             n = min(rows, t - i)
             a = buf[: n * k].view(n, k).copy_(xf[i : i + n]).abs_()
-            s.addmv_(a.t(), ones[:n])
+            if acc == torch.float32:
+                # rows added in order, as the compiled reduction sums them: a GEMV's order is
+                # MKL's choice (it differs between its AVX2 and AVX-512 kernels and thread counts)
+                for row in a:
+                    s.add_(row)
+            else:
+                s.addmv_(a.t(), ones[:n])
             maxima.append(a.amax())
         m = maxima[0] if len(maxima) == 1 else torch.stack(maxima).amax()
         return s, m
