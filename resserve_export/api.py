@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from resserve_export.core import compiling, mkl
+from resserve_export.core import compiling
 from resserve_export.core.errors import UserError
 from resserve_export.core.outputs import check_writable
 from resserve_export.planners import SOLVERS
@@ -44,9 +44,6 @@ from resserve_export.stages.size import (
     other_files_bytes,
 )
 from resserve_export.stages.verify.run import verify as _verify
-
-# Reproducible CPU results on AVX-512 processors too (core/mkl.py): set before MKL first computes.
-mkl.pin_code_path()
 
 # transformers (3 to 5 s to import after torch), datasets (about 3 s) and huggingface_hub are
 # imported inside `_snapshot` / `_restore`, which only the model-loading stages call: the

@@ -9,12 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from resserve_export.core import mkl
 from tests.fixtures.moe import moe, moe_scored  # noqa: F401 (session fixtures: tiny MoE models, a scored calibration)
-
-# The test processes compute as the CLI and the API do (MKL's AVX2 code path, core/mkl.py), and
-# so do the commands they start (they inherit the environment).
-mkl.pin_code_path()
 
 # Torch threads of every test process, set once here (test modules do not set their own): the
 # machine's cores shared among the pytest-xdist workers (one each for `make test`'s two workers on

@@ -185,9 +185,22 @@ def _wait_for_point(state: Path, proc: subprocess.Popen, ok) -> None:
     raise AssertionError("no resume point in time")
 
 
+@pytest.fixture(scope="module")
+def cli_reference(setup, tmp_path_factory):
+    """The uninterrupted run as a user starts it: a fresh process, as the killed and resumed ones.
+    (On CPUs with AVX-512, MKL's float32 GEMMs in a process that has run other calibrations can
+    differ in the last bits from a fresh process's: measured on a Sapphire Rapids CPU, grad scores
+    ~1e-4 apart; the in-process runs above compare with the in-process `reference`.)"""
+    model, texts = setup
+    out = tmp_path_factory.mktemp("cli-ref") / "calib"
+    p = subprocess.run(_cli(model, texts, out), capture_output=True, text=True, env={**os.environ, "RESSERVE_LOG_SECONDS": "0"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, phase", [(signal.SIGKILL, "forward"), (signal.SIGKILL, "backward"), (signal.SIGINT, "forward")])
-def test_a_killed_process_resumes_through_the_cli(setup, reference, sig, phase, tmp_path):
+def test_a_killed_process_resumes_through_the_cli(setup, cli_reference, sig, phase, tmp_path):
     model, texts = setup
     out = tmp_path / "calib"
     env = {**os.environ, RESUME_ENV: "0", "RESSERVE_TEST_STEP_DELAY": "0.5", "RESSERVE_LOG_SECONDS": "0"}
@@ -206,7 +219,7 @@ def test_a_killed_process_resumes_through_the_cli(setup, reference, sig, phase, 
     assert p.returncode == 0, p.stderr[-2000:]
     # Progress of the resumed run starts where the point was, and shows an ETA.
     assert "calibrating layer by layer: 6/6 layer passes (100%)" in p.stderr
-    _same_output(reference, out)
+    _same_output(cli_reference, out)
     assert sorted(x.name for x in tmp_path.iterdir()) == ["calib"]
     p = subprocess.run(_cli(model, texts, tmp_path / "other", "--resume"), capture_output=True, text=True, env=env)
     assert p.returncode == 2 and p.stderr.strip() == (
