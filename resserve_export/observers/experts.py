@@ -204,6 +204,11 @@ def _grouped_forward(mod, hidden_states, top_k_index, top_k_weights, E: int) -> 
     return _Routed(ids, ids_sorted, token, counts, offs, xs, h, out, on_input)
 
 
+def _count_routed(r: _Routed, keep, acc: dict) -> None:
+    """Add the valid tokens routed to each expert (`keep`: validity of each sorted pair's token)."""
+    acc["routed"] += torch.zeros_like(acc["routed"]).index_add_(0, r.ids_sorted, keep.long())
+
+
 class ExpertCollector(Observer):
     """Per-expert Σ|x| (float64), amax and token counts over the valid (non-padding) tokens, for
     every fused experts module of the model. While installed, each module's forward is replaced
@@ -291,7 +296,7 @@ class ExpertCollector(Observer):
             segment_stats.segment_stats(r.xs, keep, r.offs, acc["sum_in"], acc["amax_in"], acc["routed"])
             segment_stats.segment_stats(r.h, keep, r.offs, acc["sum_mid"], acc["amax_mid"])
             return
-        acc["routed"] += torch.zeros(E, dtype=torch.int64, device=dev).index_add_(0, r.ids_sorted, keep.long())
+        _count_routed(r, keep, acc)
         if r.on_input:
             # gate/up read the token rows scaled by their weight: the sorted rows themselves
             _segment_stats(r.xs, keep, r.counts, acc["sum_in"], acc["amax_in"])
@@ -314,13 +319,12 @@ class ExpertCollector(Observer):
         routed-token counts still go to the record)."""
 
         dev = hidden_states.device
-        keep = self._valid_at(dev)[r.token]
-        acc["routed"] += torch.zeros(b.num_experts, dtype=torch.int64, device=dev).index_add_(0, r.ids_sorted, keep.long())
+        _count_routed(r, self._valid_at(dev)[r.token], acc)
         idx = self._valid_at(dev, index=True)
         everyone = hidden_states.index_select(0, idx)
         n = idx.shape[0]
         acc["rows"] += n
-        if getattr(mod, "weights_on_input", False):  # each expert's input: every token scaled by its score for that expert
+        if r.on_input:  # each expert's input: every token scaled by its score for that expert
             scores = mod.router_scores.index_select(0, idx)
             every_expert_stats(mod, everyone, acc["sum_mid"], acc["amax_mid"], scales=scores, acc_in=(acc["sum_in"], acc["amax_in"]))
             return

@@ -131,7 +131,7 @@ class StatsCollector(Observer):
         if buf is None or buf.numel() < rows * k:
             buf = self._cpu_buf[acc] = torch.empty(rows * k, dtype=acc)
         ones = self._cpu_ones.get(acc)
-        if ones is None or ones.numel() < rows:
+        if acc != torch.float32 and (ones is None or ones.numel() < rows):  # the GEMV's (float64 only)
             ones = self._cpu_ones[acc] = torch.ones(rows, dtype=acc)
         s = torch.zeros(k, dtype=acc)
         maxima = []
