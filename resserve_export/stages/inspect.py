@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
 from resserve_export.formats import kv as kv_format
 from resserve_export.storage.checkpoint import Checkpoint
+from resserve_export.storage.safetensors import ST_DTYPES
 
 
 def inspect_checkpoint(ckpt_dir: str | os.PathLike) -> dict:
@@ -20,9 +22,13 @@ def inspect_checkpoint(ckpt_dir: str | os.PathLike) -> dict:
     kv = ck.kv_scales()
     kv_names = {n for a in kv for n in kv_format.scale_names(a, ck.format.kv_style)}
 
+    def size(e) -> int:
+        """Bytes a tensor presents (an expert's gate or up, cut from its fused w13, owns its half)."""
+        return math.prod(e.shape) * ST_DTYPES[e.dtype][1]
+
     def owned(entries, module):
         prefix = module + "."
-        return sum(e.nbytes for n, e in entries.items() if n.startswith(prefix) and "." not in n[len(prefix):] and n not in kv_names)
+        return sum(size(e) for n, e in entries.items() if n.startswith(prefix) and "." not in n[len(prefix):] and n not in kv_names)
 
     rows = []
     for g in ck.groups:
@@ -31,7 +37,7 @@ def inspect_checkpoint(ckpt_dir: str | os.PathLike) -> dict:
         rows.append({**g, "base_bytes": base, "extension_bytes": ext})
     quantized = sum(r["base_bytes"] for r in rows)
     kv_bytes = sum(model[n].nbytes for n in kv_names)
-    model_bytes = sum(e.nbytes for e in model.values())
+    model_bytes = sum(size(e) for e in model.values())
     side_bytes = sum(e.nbytes for e in side.values())
     files = sum(p.stat().st_size for p in Path(ck.dir).iterdir() if p.is_file())
     modes: dict[str, int] = {}

@@ -39,6 +39,7 @@ from resserve_export.formats import kv as kv_format
 from resserve_export.formats import registry
 from resserve_export.formats.constants import SELECTION_GROUP
 from resserve_export.formats.qtensor import FP4Tensor, read_base
+from resserve_export.storage import fused_experts
 from resserve_export.storage.safetensors import SafetensorsFiles
 
 FORMAT_VERSION = 1
@@ -140,6 +141,9 @@ class Checkpoint:
         self.kv_cache: str = self.resserve.get("kv_cache", "none")
         self._group_of = {m: g for g in self.groups for m in g["members"]}
         self.model = SafetensorsFiles(self._indexed(MODEL_INDEX))
+        parts = fused_experts.read_parts(self.model.shapes())  # experts written fused per expert (gpt-oss)
+        if parts:
+            self.model.add_parts(parts)
         side = self.dir / SIDECAR_INDEX
         self.sidecar = SafetensorsFiles(self._indexed(SIDECAR_INDEX)) if side.exists() else SafetensorsFiles([])
 

@@ -62,7 +62,7 @@ def test_parts_read_as_the_slices_of_the_stored_tensor(stored):
 
 @pytest.mark.parametrize("part, match", [
     (Part("x.missing", 0, 0, 4), "not a stored 3-D tensor"),
-    (Part("x.other", 0, 0, 4), "not a stored 3-D tensor"),  # 2-D
+    (Part("x.other", 1, 0, 4), "not a stored 3-D tensor"),  # 2-D: index 0 only
     (Part("x.fused", E, 0, 4), "not a stored 3-D tensor with a sub-tensor 3"),
     (Part("x.fused", 0, 0, A + 1), "outside x.fused's 48"),
     (Part("x.fused", 0, 0, B + 1, transposed=True), "outside x.fused's 20"),
@@ -71,3 +71,13 @@ def test_a_part_outside_its_stored_tensor_is_refused(stored, part, match):
     files = SafetensorsFiles([stored[0]])
     with pytest.raises(ValueError, match=match):
         files.add_parts({"p": part})
+
+
+def test_a_part_of_a_2d_tensor_is_cut_from_the_whole_tensor(stored):
+    """A stored 2-D tensor is its own one sub-tensor (index 0): gpt-oss's experts written fused per
+    expert (``w13`` ``[K/2, 2I]``, gate and up columns interleaved) read back per linear."""
+    path, _, other = stored
+    files = SafetensorsFiles([path])
+    files.add_parts({"gate": Part("x.other", 0, 0, 5, 2, transposed=True), "up": Part("x.other", 0, 1, 5, 2, transposed=True)})
+    assert torch.equal(files.get("gate"), other[:, 0::2].T) and torch.equal(files.get("up"), other[:, 1::2].T)
+    assert "x.other" not in files
