@@ -133,6 +133,20 @@ def expert_parts(module: str) -> tuple[str, int, str] | None:
 # --- the loaded model ------------------------------------------------------------------------
 
 
+def gated(mod, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The input of an expert's down projection from its gate and up outputs, as the fused
+    experts module `mod` computes it: ``act(gate) · up``, or its own `glu` where it has one
+    (gpt-oss's clamped SwiGLU)."""
+    glu = getattr(mod, "glu", None)
+    return glu(gate, up) if glu is not None else mod.act_fn(gate) * up
+
+
+def biases(mod) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(gate/up biases ``[E, 2I]`` in ``gate_up_proj``'s row order, down biases ``[E, H]``) of a
+    fused experts module with biases (gpt-oss), else (None, None)."""
+    return getattr(mod, "gate_up_bias", None), getattr(mod, "down_bias", None)
+
+
 def fused_modules(model, blocks: list[ExpertBlock]) -> dict[str, object]:
     """``{block prefix: the loaded model's fused experts module}``, matched by decoder layer and
     checked against the checkpoint's shapes; a layout this tool cannot hook is refused."""
@@ -225,11 +239,15 @@ def _unfused_module(fused, block: ExpertBlock):
             self.act_fn = fused.act_fn
             self.valid = None
             I = block.intermediate
+            gub, db = biases(fused)
             for e in range(block.num_experts):
                 expert = torch.nn.Module()
-                for leaf, w in zip(block.leaves, (fused.gate_up_proj[e, :I], fused.gate_up_proj[e, I:], fused.down_proj[e])):
-                    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta", dtype=w.dtype)
+                bs = (None, None, None) if gub is None else (gub[e, :I], gub[e, I:], db[e])
+                for leaf, w, b in zip(block.leaves, (fused.gate_up_proj[e, :I], fused.gate_up_proj[e, I:], fused.down_proj[e]), bs):
+                    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta", dtype=w.dtype)
                     lin.weight = torch.nn.Parameter(w.detach(), requires_grad=False)
+                    if b is not None:
+                        lin.bias = torch.nn.Parameter(b.detach(), requires_grad=False)
                     setattr(expert, leaf, lin)
                 self.add_module(str(e), expert)
 
@@ -250,7 +268,7 @@ def _unfused_module(fused, block: ExpertBlock):
                 w = top_k_weights[token_idx, top_k_pos, None]
                 if on_input:
                     x = x * w.to(x.dtype)
-                y = getattr(ex, down)(self.act_fn(getattr(ex, gate)(x)) * getattr(ex, up)(x))
+                y = getattr(ex, down)(gated(fused, getattr(ex, gate)(x), getattr(ex, up)(x)))
                 final.index_add_(0, token_idx, (y if on_input else y * w).to(final.dtype))
             return final
 

@@ -9,7 +9,7 @@ import torch
 from torch.nn import functional as F
 
 from resserve_export.core.errors import UserError
-from resserve_export.modeling.experts import MOE_CALIB, ExpertBlock, fused_modules
+from resserve_export.modeling.experts import MOE_CALIB, ExpertBlock, biases, fused_modules, gated
 from resserve_export.modeling.hooks import Observer
 from resserve_export.observers import segment_stats
 from resserve_export.observers.finite import finite_each
@@ -97,6 +97,7 @@ def every_expert_stats(mod, x, acc_sum, acc_amax, chunk_bytes: int = EXPERT_CHUN
     statistics of those inputs go to `acc_in` (``(Σ|x| [E, H], amax [E])``)."""
 
     w = mod.gate_up_proj  # [E, 2I, H]
+    gate_up_bias = biases(mod)[0]
     E, n = w.shape[0], x.shape[0]
     per_expert = max(1, n * w.shape[1] * 2 * x.element_size())  # the gate/up product and act·up
     if scales is not None:
@@ -120,8 +121,10 @@ def every_expert_stats(mod, x, acc_sum, acc_amax, chunk_bytes: int = EXPERT_CHUN
                 torch.matmul(xe if scales is None else xe[c], w[e0 + c].t(), out=prod[c])
         else:
             prod = torch.matmul(xe, w[e0:e1].transpose(-2, -1))
+        if gate_up_bias is not None:
+            prod += gate_up_bias[e0:e1, None, :].to(prod.dtype)
         gate, up = prod.chunk(2, dim=-1)
-        h = mod.act_fn(gate) * up  # [experts, rows, I]
+        h = gated(mod, gate, up)  # [experts, rows, I]
         _rows_stats(h, ones, seg, acc_sum[e0:e1], acc_amax[e0:e1])
 
 
@@ -192,9 +195,15 @@ def _grouped_forward(mod, hidden_states, top_k_index, top_k_weights, E: int) -> 
     slot_w = top_k_weights.reshape(-1)[perm, None]
     if on_input:
         xs = xs * slot_w.to(xs.dtype)
-    gate, up = _grouped_mm(xs, mod.gate_up_proj, offs).chunk(2, dim=-1)
-    h = mod.act_fn(gate) * up
+    gate_up = _grouped_mm(xs, mod.gate_up_proj, offs)
+    gate_up_bias, down_bias = biases(mod)  # gpt-oss
+    if gate_up_bias is not None:
+        gate_up = gate_up + gate_up_bias[ids_sorted].to(gate_up.dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    h = gated(mod, gate, up)
     y = _grouped_mm(h, mod.down_proj, offs)
+    if down_bias is not None:
+        y = y + down_bias[ids_sorted].to(y.dtype)
     if not on_input:
         y = y * slot_w
     inv = torch.empty_like(perm)
