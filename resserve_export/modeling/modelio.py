@@ -2,7 +2,8 @@
 
 Every command works on a Hugging Face directory with safetensors shards. A GGUF file (or a
 directory holding exactly one) is converted once into such a directory in the cache
-(``$RESSERVE_CACHE``, default ``~/.cache/resserve-export``), dequantized to bf16.
+(``$RESSERVE_CACHE``, default ``~/.cache/resserve-export``), dequantized to bf16; so is a gpt-oss
+hub checkpoint whose experts are MXFP4 blocks (`gpt_oss_bf16`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from safetensors import safe_open
 from resserve_export.core.devices import parse_device
 from resserve_export.core.errors import UserError
 from resserve_export.modeling import families
+from resserve_export.modeling.families import gpt_oss
 from resserve_export.modeling.view import checkpoint_view
-from resserve_export.storage.safetensors import ST_DTYPES, SafetensorsFiles
+from resserve_export.storage.safetensors import ST_DTYPES, SafetensorsFiles, ShardedWriter, TensorSpec
 
 # transformers and huggingface_hub are imported inside the functions that load a model or a
 # tokenizer: transformers alone takes 3 to 5 s to import after torch (python -X importtime), which
@@ -76,19 +78,88 @@ def resolve_model(spec: str | os.PathLike) -> Path:
         if path.is_dir() and (path / "config.json").exists():
             if not any(path.glob("*.safetensors")):
                 raise UserError(f"{path} has no *.safetensors weights: convert the checkpoint to safetensors first")
-            return path
+            return _unpacked(path)
         raise UserError(f"{path} is not a Hugging Face model directory (no config.json) nor a GGUF file")
     if spec.startswith((".", "/", "~")) or spec.count("/") != 1:
         raise UserError(f"model path {spec} does not exist: pass a Hugging Face directory, a GGUF file or a hub id")
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(spec, local_files_only=True, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+        found = Path(snapshot_download(spec, local_files_only=True, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
     except Exception:
         raise UserError(
             f"model {spec!r} is neither a local path nor in the Hugging Face cache, and there is no network: "
             "download it where there is one or pass a local directory"
         ) from None
+    return _unpacked(found)
+
+
+def _unpacked(model_dir: Path) -> Path:
+    """`model_dir` itself, or, for a gpt-oss hub checkpoint whose experts are MXFP4 blocks, its
+    bf16 copy in the cache (`gpt_oss_bf16`)."""
+    cfg = _config(model_dir)
+    if cfg.get("model_type") == "gpt_oss" and gpt_oss.hub_mxfp4(cfg):
+        return gpt_oss_bf16(model_dir)
+    return model_dir
+
+
+def gpt_oss_bf16(model_dir: Path) -> Path:
+    """A gpt-oss checkpoint whose experts are MXFP4 blocks as a bf16 HF directory in the cache
+    (``$RESSERVE_CACHE/dequantized/``, made once per checkpoint, keyed by its files' identity):
+    each ``…_blocks`` / ``…_scales`` pair dequantized exactly into the bf16 tensor it stands for
+    (`gpt_oss.dequantize_mxfp4`), every other tensor copied byte for byte, shard by shard, and
+    ``quantization_config`` dropped from config.json. Every command then reads the copy, so
+    calibrations and checkpoints made from either name the same weights."""
+    files = weight_files(model_dir)
+    ident = "|".join(f"{f.resolve()}|{f.stat().st_size}|{int(f.stat().st_mtime)}" for f in files)
+    out = cache_dir() / "dequantized" / f"{model_dir.name}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+    if (out / "config.json").exists():
+        return out
+    src = SafetensorsFiles(files)
+    shapes = src.shapes()
+    shards: list[list[TensorSpec]] = []
+    for f in files:
+        specs = []
+        for name, e in src.entries.items():
+            if e.path != f or name.endswith("_scales") and gpt_oss.MXFP4_BLOCKS.match(name[: -len("_scales")] + "_blocks"):
+                continue
+            m = gpt_oss.MXFP4_BLOCKS.match(name)
+            if m is None:
+                specs.append(TensorSpec(name, e.dtype, e.shape))
+                continue
+            scales = f"{m['fused']}_scales"
+            if scales not in shapes:
+                raise UserError(f"{name} has no {scales} beside it in {model_dir}: the checkpoint is incomplete, re-download it")
+            E, R, G, B = e.shape
+            specs.append(TensorSpec(m["fused"], "BF16", (E, G * 2 * B, R)))
+        shards.append(specs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        w = ShardedWriter(tmp, "model", shards)
+        try:
+            for spec in (s for sh in shards for s in sh):
+                if spec.name in src:
+                    w.write(spec.name, src.get(spec.name))
+                else:
+                    w.write(spec.name, gpt_oss.dequantize_mxfp4(src.get(f"{spec.name}_blocks"), src.get(f"{spec.name}_scales")))
+            w.close()
+        except BaseException:
+            w.abort()
+            raise
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(w.index(), indent=2) + "\n")
+        for p in model_dir.iterdir():
+            if p.is_file() and not p.name.endswith(".safetensors") and p.name not in ("config.json", "model.safetensors.index.json"):
+                shutil.copyfile(p, tmp / p.name)
+        cfg = _config(model_dir)
+        cfg.pop("quantization_config", None)
+        cfg["dtype"] = "bfloat16"
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
 
 
 def gguf_to_hf(gguf: Path) -> Path:

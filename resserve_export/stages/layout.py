@@ -25,6 +25,7 @@ from resserve_export.formats.registry import HF_QUANT_CONFIG
 from resserve_export.modeling import attention as attention_layers
 from resserve_export.modeling.experts import expert_blocks
 from resserve_export.modeling.groups import Group, group_linears, linears_from_shapes
+from resserve_export.storage import fused_experts
 from resserve_export.storage.checkpoint import (
     MODEL_INDEX,
     SIDECAR_INDEX,
@@ -47,6 +48,7 @@ class Layout:
     sidecar: list[TensorSpec]
     groups: list[dict]
     tensor_class: dict[str, str] = field(default_factory=dict)
+    written_fused: bool = False  # experts written fused per expert (`storage.fused_experts`)
 
     def shards(self, max_bytes: int) -> tuple[list[list[TensorSpec]], list[list[TensorSpec]]]:
         return split_shards(self.model, max_bytes), split_shards(self.sidecar, max_bytes)
@@ -114,13 +116,15 @@ def build_layout(
     fmt: str,
     tied: bool,
     kv_cache: str = "none",
+    written_fused: bool = False,
 ) -> Layout:
     """The output layout for source tensors `shapes` (name -> (dtype, shape)).
 
     Order is canonical (natural sort of source and KV-scale names, a group's outputs at its
     first member), so the same inputs always give the same files. `ratios` maps ``group.name``
     to ρ. With a `kv_cache` format other than ``none`` every attention module gets its k / v
-    scales, named and shaped as the format's loaders read them.
+    scales, named and shaped as the format's loaders read them. `written_fused`: experts are
+    written fused per expert (`storage.fused_experts`: gpt-oss).
     """
     b = registry.get(fmt).block
     member_of = {m: g for g in groups for m in g.modules}
@@ -163,18 +167,21 @@ def build_layout(
             )
         ratio = ratios[g.name]
         K_E = ext_width(K, ratio, fmt)
+        plain: list[TensorSpec] = []
         for m, N in zip(g.modules, g.out_features):
-            plain, side = _member_specs(fmt, m, N, K, ratio)
-            model += plain
+            member, side = _member_specs(fmt, m, N, K, ratio)
+            plain += member
             sidecar += side
-            for s in plain:
-                cls[s.name] = "linear"
             for s in side:
                 cls[s.name] = "mask" if s.name.endswith(MASK_SUFFIX) else "extension"
+        plain = fused_experts.merged_specs(plain) if written_fused else plain
+        model += plain
+        for s in plain:
+            cls[s.name] = "linear"
         items.append(("group", g))
         mode = "plain" if ratio == 0 else ("full" if ratio == 1 else "k_ext")
         records.append({"members": list(g.modules), "ratio": ratio, "mode": mode, "K": K, "K_E": K_E})
-    return Layout(fmt, items, model, sidecar, records, cls)
+    return Layout(fmt, items, model, sidecar, records, cls, written_fused)
 
 
 __all__ = ["Layout", "build_layout", "kv_specs", "model_groups", "recorded_groups", "OWN_FILES", "WEIGHT_SUFFIXES"]

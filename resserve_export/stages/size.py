@@ -238,10 +238,11 @@ def estimate(
     """Exact bytes `pack` writes for this config, format and ratio / plan (+ `other_bytes`),
     with the KV-cache scales of `kv_cache` (``none``, ``fp8``, ``nvfp4``) as `pack --kv-cache`."""
     f = check_format_arg(fmt)
-    shapes = families.unfused_shapes(cfg, shapes_from_config(cfg))  # experts fused on disk: written per expert
+    shapes = families.unfused_shapes(cfg, shapes_from_config(cfg))  # experts fused on disk: quantized per expert
     groups = model_groups(shapes)
+    families.check_format(cfg, fmt, "estimated")
     ratios, _ = load_ratios(groups, ratio, Path(plan) if plan is not None else None, None)
-    layout = build_layout(shapes, groups, ratios, fmt, cfg.get("tie_word_embeddings") is True, kv_cache)
+    layout = build_layout(shapes, groups, ratios, fmt, cfg.get("tie_word_embeddings") is True, kv_cache, families.writes_fused_experts(cfg))
     max_bytes = parse_size(max_shard_size)
     model_shards, side_shards = layout.shards(max_bytes)
     classes = {"embeddings": 0, "norms & biases": 0, "quantized linears": 0, "extension": 0, "masks": 0}

@@ -148,6 +148,27 @@ def unfused_shapes(config: dict, shapes: dict[str, tuple[str, tuple[int, ...]]])
     return out
 
 
+def check_format(config: dict, fmt: str, doing: str = "done") -> None:
+    """Refuse, before any work, an output format stock vLLM cannot load for this family."""
+    f = family_of(config)
+    why = dict(f.refused_formats).get(fmt)
+    if why is not None:
+        raise UserError(f"--format {fmt} is not written for {f.name.split(' (')[0]}: {why}; nothing was {doing}")
+
+
+def check_weight_algo(config: dict, algo: str, doing: str = "done") -> None:
+    """Refuse, before any work, ``--weight-algo awq`` for a family whose layers it cannot fold into exactly."""
+    f = family_of(config)
+    if algo == "awq" and f.refused_awq:
+        raise UserError(f"--weight-algo awq: {f.refused_awq}; nothing was {doing}")
+
+
+def writes_fused_experts(config: dict) -> bool:
+    """Whether the family's experts are written fused per expert (`storage.fused_experts`)."""
+    fused = family_of(config).experts_on_disk
+    return fused is not None and fused.written_fused
+
+
 def adapt(model, config: dict) -> None:
     """Give the loaded `model` the form the tool's hooks expect, where its family needs one
     (`Family.adapt`; in place)."""
@@ -168,4 +189,4 @@ def has_adapter(config: dict) -> bool:
     return family_of(config) is not text.FAMILY
 
 
-__all__ = ["FAMILIES", "Family", "family_of", "expert_parts", "unfused_shapes", "adapt", "is_exact", "kept_as", "check_tensors", "check_loadable", "has_adapter"]
+__all__ = ["FAMILIES", "Family", "family_of", "check_format", "check_weight_algo", "writes_fused_experts", "expert_parts", "unfused_shapes", "adapt", "is_exact", "kept_as", "check_tensors", "check_loadable", "has_adapter"]

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 # Why a tensor holding every expert of a layer is refused (`Family.refused`).
 FUSED_EXPERTS = (
     "every expert of its layer in one tensor (experts fused on disk), in a layout this tool does not read (it reads "
-    "Qwen3-VL-MoE's and Llama 4's gate_up_proj [E, H, 2I] / down_proj [E, I, H] pairs, or their transposes; "
-    "gpt-oss's, interleaved and with biases, not yet)"
+    "gate_up_proj [E, H, 2I] / down_proj [E, I, H] pairs, or their transposes)"
 )
 
 
@@ -27,6 +26,9 @@ class FusedOnDisk:
     gate_up: str = "gate_up_proj"
     down: str = "down_proj"
     interleaved: bool = False
+    # Written as the family's vLLM loader reads quantized experts: per expert, gate and up in one
+    # tensor, interleaved and transposed (`storage.fused_experts`), not one tensor per linear.
+    written_fused: bool = False
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,9 @@ class Family:
     fused on disk (`FusedOnDisk`), when it does. `adapt`: called on the loaded model (in place)
     where its modules need another form for the tool's hooks (Llama 4's experts). `disk_names`:
     ``(prefix, hub prefix)`` pairs where the family's hub checkpoints name tensors otherwise than
-    transformers writes them (`size` counts the hub names' header bytes).
+    transformers writes them (`size` counts the hub names' header bytes). `refused_formats`:
+    ``(format, why)`` for output formats stock vLLM cannot load for the family. `refused_awq`: why
+    ``--weight-algo awq`` cannot fold exactly into the family's layers (empty: it can).
     """
 
     name: str
@@ -58,6 +62,8 @@ class Family:
     experts_on_disk: FusedOnDisk | None = None
     adapt: Callable[[object], None] | None = None
     disk_names: tuple[tuple[str, str], ...] = ()
+    refused_formats: tuple[tuple[str, str], ...] = ()
+    refused_awq: str = ""
     test: str = ""
 
     def __post_init__(self):

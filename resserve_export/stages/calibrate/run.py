@@ -30,7 +30,7 @@ from resserve_export.core import devices
 from resserve_export.core.distributed import Ranks, world_size
 from resserve_export.core.errors import UserError
 from resserve_export.core.outputs import check_out_dir, clean_stale, write_dir_atomic
-from resserve_export.modeling import data, modelio
+from resserve_export.modeling import data, families, modelio
 from resserve_export.modeling.experts import expert_blocks
 from resserve_export.observers import kv as kvcache
 from resserve_export.stages.calibrate import sequential
@@ -87,6 +87,7 @@ def calibrate(
     modelio.check_architecture(model_dir, "calibrate")
     shapes = modelio.tensor_shapes(model_dir)
     blocks = expert_blocks(shapes, "calibrated")
+    families.check_weight_algo(json.loads((model_dir / "config.json").read_text()), config.weight_algo, "calibrated")
     if blocks:
         _check_moe_settings(config, world_size())
     check_in_features(quantized_linears(shapes))

@@ -22,7 +22,7 @@ from resserve_export.formats import registry
 from resserve_export.formats.constants import RATIOS
 from resserve_export.formats.mxfp4 import ScaleRounding
 from resserve_export.modeling import attention as attention_layers
-from resserve_export.modeling import modelio
+from resserve_export.modeling import families, modelio
 from resserve_export.modeling.experts import ExpertBlock, expert_blocks
 from resserve_export.modeling.groups import Group
 from resserve_export.stages.layout import model_groups, recorded_groups
@@ -242,6 +242,7 @@ def read_inputs(
         raise UserError(f"{model_dir} is already quantized ({cfg['quantization_config'].get('quant_method')}): pack needs a bf16/fp16 model")
     shapes = source.shapes()
     blocks = expert_blocks(shapes, "packed")
+    families.check_format(cfg, fmt, "packed")
     fingerprint = modelio.fingerprint(model_dir)
     # The quantized linears and their fused groups are the ones calibrate found on the loaded
     # model (one rule), not re-derived from the headers.

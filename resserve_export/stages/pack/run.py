@@ -34,7 +34,7 @@ from resserve_export.algorithms.awq.smoothing import FILE as AWQ_FILE
 from resserve_export.algorithms.awq.smoothing import file_digest
 from resserve_export.core.errors import UserError
 from resserve_export.core.outputs import check_out_dir, check_writable, write_dir_atomic
-from resserve_export.modeling import modelio
+from resserve_export.modeling import families, modelio
 from resserve_export.modeling.experts import routers
 from resserve_export.modeling.groups import exact_linears
 from resserve_export.modeling.modelio import source_dtype
@@ -104,7 +104,7 @@ def pack(
     # Drop lm_head only when the config says explicitly that it is tied: an extra copy costs
     # bytes, a missing one breaks the model.
     tied = inputs.config.get("tie_word_embeddings") is True
-    layout = build_layout(inputs.shapes, inputs.groups, inputs.ratios, fmt, tied, kv_cache)
+    layout = build_layout(inputs.shapes, inputs.groups, inputs.ratios, fmt, tied, kv_cache, families.writes_fused_experts(inputs.config))
     kv = kv_tensors(calib, inputs.shapes, args.format, kv_cache)
     model_shards, side_shards = layout.shards(args.max_bytes)
 

@@ -32,6 +32,7 @@ from resserve_export.formats import ops as formats
 from resserve_export.formats import registry
 from resserve_export.modeling.groups import Group
 from resserve_export.stages.pack.inputs import pipeline_depth
+from resserve_export.storage import fused_experts
 from resserve_export.storage.safetensors import SafetensorsFiles, unreadable
 from resserve_export.storage.reader import SlabReader, slab_bytes
 
@@ -160,6 +161,7 @@ class _Pipeline:
     def __init__(self, layout, source: SmoothedSource, stats, ratios, fmt, rounding, dev: torch.device, mw, sw, depth: int):
         self.source, self.stats, self.ratios, self.fmt, self.rounding = source, stats, ratios, fmt, rounding
         self.dev, self.mw, self.sw = dev, mw, sw
+        self.written_fused = layout.written_fused
         self.piped = depth >= 2
         self.cuda = dev.type == "cuda"
         groups = [(i, g) for i, (kind, g) in enumerate(layout.items) if kind == "group"]
@@ -254,9 +256,10 @@ class _Pipeline:
                 slab = None
                 if self.piped:
                     self.top_up()
+            mw = _Outputs(self.mw, outs)
             pack_group(
                 g, weights, self.source, self.stats, self.ratios[g.name], self.fmt, self.rounding, self.dev,
-                _Outputs(self.mw, outs), _Outputs(self.sw, outs),
+                fused_experts.FusedWriter(mw) if self.written_fused else mw, _Outputs(self.sw, outs),
             )
             done = None
             if self.cuda:

@@ -1,5 +1,5 @@
 """`size` of mixture-of-experts models from their config: what `pack` writes, every expert counted,
-GPT-OSS refused."""
+gpt-oss's experts fused on disk included."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from resserve_export.core.errors import UserError
 from resserve_export.formats import nvfp4
 from resserve_export.modeling import modelio
 from resserve_export.stages.pack.run import pack
+from resserve_export.stages.inspect import inspect_checkpoint
 from resserve_export.stages.size import estimate
 
 from tests.fixtures.checkpoints import written_classes
@@ -39,11 +40,27 @@ def test_size_equals_what_pack_writes(moe, arch, fmt, ratio, tmp_path):
     assert {k: rep.classes[k] for k in got} == got and got["quantized linears"] > 0
 
 
-def test_size_refuses_gpt_oss(moe):
-    """gpt-oss's experts are 3-D on disk, which pack refuses: size names the tensor and its layout
-    rather than counting a checkpoint pack would not write."""
-    cfg = json.loads((moe["models"]["gpt_oss"] / "config.json").read_text())
-    with pytest.raises(UserError, match=r"model\.layers\.0\.mlp\.experts\.\w+ is a 3-D tensor .*experts fused on disk.*nothing was"):
+@pytest.mark.parametrize("ratio", [0.0, 0.25])
+def test_size_of_gpt_oss_equals_what_pack_writes(moe, ratio, tmp_path):
+    """gpt-oss's experts, fused on disk and written fused per expert (w13 / w2), and their biases:
+    size from config.json counts what pack writes in MXFP4; NVFP4, which pack refuses for gpt-oss,
+    size refuses too, in one line."""
+    model = moe["models"]["gpt_oss"]
+    cfg = json.loads((model / "config.json").read_text())
+    calib = make_calibration(model, tmp_path / "c")
+    out = pack(model, calib, tmp_path / "ck", "mxfp4", ratio=ratio, progress=False).out
+    got = written_classes(out)
+    rep = estimate(cfg, "mxfp4", ratio=ratio)
+    assert {k: rep.classes[k] for k in got} == got and got["quantized linears"] > 0
+    # inspect counts an expert's gate and up once each, though both are read from its one w13 tensor
+    from resserve_export.storage.safetensors import SafetensorsFiles
+
+    on_disk = SafetensorsFiles(list(out.glob("model-*.safetensors"))).entries
+    for g in inspect_checkpoint(out)["groups"]:
+        if ".experts." in g["members"][0]:
+            expert, fused = g["members"][0].rsplit(".", 1)[0], "w2" if g["members"][0].endswith("down_proj") else "w13"
+            assert g["base_bytes"] == sum(on_disk[f"{expert}.{fused}_{s}"].nbytes for s in ("weight_packed", "weight_scale"))
+    with pytest.raises(UserError, match=r"^--format nvfp4 is not written for gpt-oss: .*nothing was estimated$"):
         estimate(cfg, "nvfp4", ratio=0.0)
 
 
