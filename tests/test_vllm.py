@@ -926,15 +926,69 @@ def with_skipped_tensor(src: Path, dst: Path) -> Path:
     return dst
 
 
+# gpt-oss's expert biases (copied as on disk), and the expert parameters of vLLM's gpt-oss model.
+GPT_OSS_BIASES = r"\.experts\.(gate_up_proj|down_proj)_bias$"
+GPT_OSS_EXPERTS = r"\.experts\.routed_experts\."
+
+
 @pytest.fixture(scope="module")
 def vlm_loads(env) -> dict:
     """{method: {checkpoint dir: load_check.py's report}} for every VLM_FAMILIES checkpoint and
-    the control, under "stock" and "resserve" (two processes side by side)."""
+    the control, under "stock" and "resserve" (two processes side by side); the stock process also
+    loads gpt-oss's MXFP4 checkpoint twice: without its expert biases (reporting the expert
+    parameters' bytes) and whole."""
+    import shutil
+
     ckpts = [str(vlm_ckpt(env, name, fmt)) for name in VLM_FAMILIES for fmt in ("nvfp4", "mxfp4")]
     control = with_skipped_tensor(vlm_ckpt(env, "qwen2_5_vl", "nvfp4"), env["work"] / "qwen2_5_vl-nvfp4-skipped")
-    runs = {m: C.EngineRun({"checkpoints": [*ckpts, str(control)]}, env["work"], f"load-{m}", BATCH_ENV[m], timeout=1200,
+    gpt = vlm_ckpt(env, "gpt_oss", "mxfp4")
+    whole = env["work"] / "gpt_oss-mxfp4-whole"
+    if not whole.exists():
+        shutil.copytree(gpt, whole)
+    job = {"checkpoints": [*ckpts, str(control)]}
+    gpt_job = {"checkpoints": [*job["checkpoints"], str(gpt), str(whole)], "withhold": {str(gpt): GPT_OSS_BIASES},
+               "values": {str(gpt): GPT_OSS_EXPERTS}}
+    runs = {m: C.EngineRun(gpt_job if m == "stock" else job, env["work"], f"load-{m}", BATCH_ENV[m], timeout=1200,
                            script="load_check.py") for m in ("stock", "resserve")}
     return {m: run.result() for m, run in runs.items()}
+
+
+def test_gpt_oss_loads_in_vllms_model_class_but_for_its_expert_biases(env, vlm_loads):
+    """gpt-oss in MXFP4 (compressed-tensors; pack refuses NVFP4 for it), in vLLM's own
+    GptOssForCausalLM by its own loader (stock method): every weight and scale of the checkpoint is
+    read into a parameter and every parameter is loaded (but the attention defaults); each layer's
+    expert parameters hold exactly our per-linear codes and scales with gate and up rows
+    interleaved, as vLLM's swigluoai reads them. The expert biases are the one gap: vLLM 0.32's FP4
+    MoE methods make no bias parameter for them, so with them its loader stops at the first one
+    (a KeyError): stock vLLM cannot serve gpt-oss's FP4 experts until it has them."""
+    import hashlib
+
+    from resserve_export.storage.checkpoint import read_checkpoint
+
+    gpt, whole = env["work"] / "gpt_oss-mxfp4", env["work"] / "gpt_oss-mxfp4-whole"
+    r = vlm_loads["stock"][str(gpt)]
+    assert "error" not in r, f"{r.get('error')}\n{r.get('traceback', '')}"
+    assert (r["architecture"], r["model_class"], r["quantization"]) == ("GptOssForCausalLM", "GptOssForCausalLM", "compressed-tensors")
+    biases = {n for n in checkpoint_tensors(gpt) if re.search(GPT_OSS_BIASES, n)}
+    assert set(r["withheld"]) == biases and len(biases) == 4
+    assert r["tensors"] == len(checkpoint_tensors(gpt)) - len(biases)
+    assert r["unread"] == []
+    assert [n for n in r["not_loaded"] if not ATTN_DEFAULTS.search(n)] == []
+    ck = read_checkpoint(gpt)
+
+    def sha(t):
+        return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+    for layer in (0, 1):
+        p = f"model.layers.{layer}.mlp.experts"
+        for field, suffix in (("codes", "weight_packed"), ("scales", "weight_scale")):
+            get = lambda e, m: getattr(ck[f"{p}.{e}.{m}"].base, field)  # noqa: E731
+            w13 = torch.stack([torch.stack([get(e, "gate_proj"), get(e, "up_proj")], 1).reshape(-1, get(e, "up_proj").shape[1]) for e in range(4)])
+            w2 = torch.stack([get(e, "down_proj") for e in range(4)])
+            assert r["values"][f"{p}.routed_experts.w13_{suffix}"][2] == sha(w13), (layer, suffix)
+            assert r["values"][f"{p}.routed_experts.w2_{suffix}"][2] == sha(w2), (layer, suffix)
+    w = vlm_loads["stock"][str(whole)]
+    assert re.fullmatch(r"KeyError: 'layers\.0\.mlp\.experts\.w(13|2)_bias'", w.get("error", "")), w
 
 
 def checkpoint_tensors(path: Path) -> set[str]:

@@ -7,7 +7,10 @@ only for image preprocessing, which building the model and loading its weights n
 this process alone makes ``import torchvision`` succeed with a placeholder package (its
 attributes are empty classes), after transformers has recorded that torchvision is not installed.
 
-Usage: python load_check.py JOB.json OUT.json, where JOB is {"checkpoints": [dir, ...]}. For
+Usage: python load_check.py JOB.json OUT.json, where JOB is {"checkpoints": [dir, ...]} and
+optionally "withhold" ({dir: regex}: checkpoint tensors not given to the loader, reported as
+``withheld``) and "values" ({dir: regex}: parameters whose bytes after loading are reported as
+``values``, {name: [dtype, shape, sha256]}). For
 each checkpoint, vLLM builds its config as an engine would (EngineArgs, bf16: the dtype ModelOpt NVFP4 admits; eager), builds
 the model class that config names on the CPU, and runs the model's own ``load_weights`` over the
 loader's tensors of the checkpoint. OUT is {dir: report}, report:
@@ -142,7 +145,10 @@ def _one_rank() -> None:
     ps.ensure_model_parallel_initialized(1, 1)
 
 
-def check(ckpt: str) -> dict:
+def check(ckpt: str, withhold: str | None = None, values: str | None = None) -> dict:
+    import hashlib
+    import re
+
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
@@ -158,10 +164,22 @@ def check(ckpt: str) -> dict:
         report["model_class"] = type(model).__name__
         params = {n for n, _ in model.named_parameters()}
         reads = _reads_mode()
+        withheld = []
+
+        def given(it):
+            for name, t in it:
+                if withhold and re.search(withhold, name):
+                    withheld.append(name)
+                    continue
+                yield name, t
+
         with reads:
-            loaded = model.load_weights(reads.weights(loader.get_all_weights(cfg.model_config, model)))
+            loaded = model.load_weights(reads.weights(given(loader.get_all_weights(cfg.model_config, model))))
+        if values:
+            report["values"] = {n: [str(p.dtype), list(p.shape), hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()]
+                                for n, p in model.named_parameters() if re.search(values, n)}
     report.update(tensors=len(reads.names), unread=sorted(set(reads.names) - reads.read), params=len(params),
-                  not_loaded=sorted(params - set(loaded or ())))
+                  not_loaded=sorted(params - set(loaded or ())), withheld=sorted(withheld))
     return report
 
 
@@ -181,7 +199,7 @@ def main() -> None:
     out = {}
     for ckpt in job["checkpoints"]:
         try:
-            out[ckpt] = check(ckpt)
+            out[ckpt] = check(ckpt, job.get("withhold", {}).get(ckpt), job.get("values", {}).get(ckpt))
         except Exception as e:  # noqa: BLE001  (reported per checkpoint; the caller's test raises it)
             out[ckpt] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
         print(f"load check {ckpt}: {json.dumps({k: v for k, v in out[ckpt].items() if k != 'traceback'})[:2000]}", flush=True)
