@@ -56,7 +56,7 @@ from resserve_export.formats.mxfp4 import ScaleRounding
 from resserve_export.formats.qtensor import FP4Tensor, read_base
 from resserve_export.algorithms.selection import mode_of
 from resserve_export.vllm_plugin.settings import method_enabled
-from resserve_export.vllm_plugin.moe import act_and_mul, routed_rows
+from resserve_export.vllm_plugin.moe import SUPPORTED_ACTIVATIONS, act_and_mul, routed_rows
 from resserve_export.core.names import MASK_SUFFIX, EXT_WEIGHT_SUFFIX, EXT_SCALE_SUFFIX
 from resserve_export.storage.checkpoint import SIDECAR_INDEX
 
@@ -348,6 +348,10 @@ class ResServeMoEMethod(FusedMoEMethodBase):
         self.inner = inner
         self.prefix = prefix
         self.decode_rows = decode_rows()
+        unserved = [what for what, yes in (("biases", inner.moe.has_bias), (f"the {layer.activation.value} activation",
+                    layer.activation not in SUPPORTED_ACTIVATIONS)) if yes]
+        if unserved:  # gpt-oss: biases and swigluoai; checked first, as its loader's mapper renames the groups' experts
+            raise ValueError(f"resserve: {prefix}: experts with {' and '.join(unserved)}, as gpt-oss's, are not served by the resserve method yet")
         leaves = (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)
         if leaves[1] is None:
             raise ValueError(f"resserve: {prefix}: only gated experts are supported")
