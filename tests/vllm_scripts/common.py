@@ -168,10 +168,12 @@ def reference(
     )
 
 
-def moe_reference(model_dir_: Path, calib: Path, fmt: str, ratio: float, *, arithmetic: str, decode_rows: int | None):
+def moe_reference(model_dir_: Path, calib: Path, fmt: str, ratio: float, *, arithmetic: str, decode_rows: int | None,
+                  attention: str = "vllm-cpu"):
     """FP32 reference of a mixture-of-experts model in the CPU engine: `reference` with the CPU
-    engine's attention, and its routers and experts as vLLM and the plugin compute them
-    (tests/vllm_scripts/moe_reference.py)."""
+    engine's attention (or `attention="hf"`: the model's own, for gpt-oss's sinks, which the CPU
+    engine's attention model does not have), and its routers and experts as vLLM and the plugin
+    compute them (tests/vllm_scripts/moe_reference.py)."""
     from moe_reference import emulate_experts
     from reference import emulate_model, load_salience
 
@@ -179,7 +181,7 @@ def moe_reference(model_dir_: Path, calib: Path, fmt: str, ratio: float, *, arit
 
     model = modelio.load_model(model_dir_, dtype="float32")
     salience = load_salience(calib)
-    emulate_model(model, salience, fmt, ratio, arithmetic=arithmetic, decode_rows=decode_rows, attention="vllm-cpu")
+    emulate_model(model, salience, fmt, ratio, arithmetic=arithmetic, decode_rows=decode_rows, attention=attention)
     return emulate_experts(model, model_dir_, salience, fmt, ratio, arithmetic=arithmetic, decode_rows=decode_rows)
 
 

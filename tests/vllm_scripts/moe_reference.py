@@ -24,6 +24,11 @@ rotary and attention), every MoE block's router and experts replaced:
   the output cast to the model dtype; a forward of at most ``decode_rows`` rows uses full
   compensation, a longer one the ratio's mode.
 
+gpt-oss: the router's bias is added to the finished FP32 chain; each expert's products get their
+biases (FP32, before the cast) and the activation is the family's clamped SwiGLU on the gate | up
+halves (vLLM's ``swigluoai`` computes the same values on the interleaved rows). Its attention
+sinks need `common.moe_reference`'s ``attention="hf"`` (the CPU engine's attention model has none).
+
 Weights, masks and scales come from the original model and the calibration (experts under the
 checkpoint's per-expert names), not from the checkpoint. Imports nothing of vLLM.
 """
@@ -44,7 +49,7 @@ from resserve_export.formats.ops import dequantize, quantize
 from resserve_export.algorithms.selection import mode_of, select_mask
 
 # vLLM's routers: whether the top-k weights are renormalized, by model type.
-RENORMALIZE = {"qwen3_moe": lambda cfg: bool(cfg.norm_topk_prob), "mixtral": lambda cfg: True}
+RENORMALIZE = {"qwen3_moe": lambda cfg: bool(cfg.norm_topk_prob), "mixtral": lambda cfg: True, "gpt_oss": lambda cfg: True}
 
 
 def onednn_fp32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -67,30 +72,36 @@ def cpu_softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
 
 
 class EngineRouter(nn.Module):
-    def __init__(self, weight: torch.Tensor, top_k: int, renormalize: bool):
+    def __init__(self, weight: torch.Tensor, top_k: int, renormalize: bool, bias: torch.Tensor | None = None):
         super().__init__()
         self.weight, self.top_k, self.renormalize = weight.detach(), top_k, renormalize
+        self.bias = None if bias is None else bias.detach().float()
 
     def forward(self, hidden_states: torch.Tensor):
         if hidden_states.dtype != torch.float32:
             raise ValueError("the CPU engine's router GEMM is modelled for FP32")
         x = hidden_states.reshape(-1, self.weight.shape[1])
         logits = onednn_fp32_linear(x, self.weight)
+        if self.bias is not None:  # gpt-oss: added to the finished chain
+            logits = logits + self.bias
         weights, ids = cpu_softmax_topk(logits, self.top_k, self.renormalize)
         return logits, weights, ids
 
 
 class Projection:
-    """One expert's w13 or w2: the quantized weight and its activation α (None for MXFP4)."""
+    """One expert's w13 or w2: the quantized weight, its activation α (None for MXFP4) and its
+    bias (gpt-oss; FP32, added to the FP32 product)."""
 
-    def __init__(self, qw: QuantizedWeight, input_alpha: torch.Tensor | None):
-        self.qw, self.input_alpha = qw, input_alpha
+    def __init__(self, qw: QuantizedWeight, input_alpha: torch.Tensor | None, bias: torch.Tensor | None = None):
+        self.qw, self.input_alpha, self.bias = qw, input_alpha, bias
 
 
 class EngineExperts(nn.Module):
-    def __init__(self, experts: list[tuple[Projection, Projection]], fmt: str, arithmetic: str, decode_rows: int | None, rounding):
+    def __init__(self, experts: list[tuple[Projection, Projection]], fmt: str, arithmetic: str, decode_rows: int | None, rounding,
+                 glu=None):
         super().__init__()
         self.experts, self.fmt, self.arithmetic, self.decode_rows, self.rounding = experts, fmt, arithmetic, decode_rows, rounding
+        self.glu = glu or silu_and_mul  # of gate | up halves
         f = registry.get(fmt)
         if arithmetic == "vllm" and f.has_tensor_scale:
             # vLLM's MoE methods quantize a layer's activations with one α per GEMM: the largest.
@@ -105,7 +116,8 @@ class EngineExperts(nn.Module):
         mode = mode_of(p.qw.ratio)
         if self.decode_rows is not None and mode != "plain" and step_rows <= self.decode_rows:
             mode = "full"
-        return quantized_matmul(x.float(), p.qw, input_alpha=p.input_alpha, mode=mode).to(x.dtype)
+        y = quantized_matmul(x.float(), p.qw, input_alpha=p.input_alpha, mode=mode)
+        return (y if p.bias is None else y + p.bias).to(x.dtype)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         x = hidden_states
@@ -122,7 +134,7 @@ class EngineExperts(nn.Module):
                 y = torch.matmul(self._stock_qdq(silu_and_mul(h), 1), w2.qw.w.to(dt).t())
             else:
                 h = self._product(w13, x[rows], x.shape[0])
-                y = self._product(w2, silu_and_mul(h), x.shape[0])
+                y = self._product(w2, self.glu(h), x.shape[0])
             acc.index_add_(0, rows, y.float() * top_k_weights[rows, pos, None].float())
         return acc.to(dt)
 
@@ -139,7 +151,7 @@ def emulate_experts(
     """Replace the router and experts of every MoE block of `model` (in place; see the module
     docstring). `salience` is :func:`reference.load_salience` of the calibration."""
     from resserve_export.modeling import modelio
-    from resserve_export.modeling.experts import expert_blocks, fused_modules
+    from resserve_export.modeling.experts import biases as expert_biases, expert_blocks, fused_modules
 
     if arithmetic == "vllm" and ratio != 0:
         raise ValueError("the 'vllm' arithmetic models stock vLLM, which serves plain W4A4 only")
@@ -153,17 +165,23 @@ def emulate_experts(
         mod = fused[b.prefix]
         block = model.get_submodule(names[id(mod)].rpartition(".")[0])
         I = b.intermediate
+        biases = expert_biases(mod)  # gpt-oss's, gate | up as the weights' rows; else (None, None)
         experts = []
         for e in range(b.num_experts):
             gate_up, down = mod.gate_up_proj[e].detach(), mod.down_proj[e].detach()
             pair = []
-            for w, members in ((gate_up, (b.module(e, "gate"), b.module(e, "up"))), (down, (b.module(e, "down"),))):
+            for w, members, bias in ((gate_up, (b.module(e, "gate"), b.module(e, "up")), biases[0]), (down, (b.module(e, "down"),), biases[1])):
                 parts = [gate_up[:I], gate_up[I:]] if len(members) == 2 else [w]
                 mask = select_mask(salience[members[0]][0], ratio) if ratio > 0 else None
                 qw = QuantizedWeight(w, f, ratio=ratio, mask=mask, weight_alpha=f.weight_alpha(parts), rounding=rounding)
                 amax = torch.stack([salience[m][1] for m in members]).max()
-                pair.append(Projection(qw, f.input_alpha(amax)))
+                pair.append(Projection(qw, f.input_alpha(amax), None if bias is None else bias[e].float()))
             experts.append(tuple(pair))
-        block.gate = EngineRouter(block.gate.weight, block.gate.top_k, renormalize)
-        block.experts = EngineExperts(experts, fmt, arithmetic, decode_rows, rounding)
+        # gpt-oss: the router is `router` (with a bias), the activation the family's clamped SwiGLU,
+        # on gate | up halves (the plugin's swigluoai on interleaved rows computes the same values)
+        glu = (lambda h, mod=mod, I=I: mod.glu(h[..., :I], h[..., I:])) if getattr(mod, "glu", None) is not None else None
+        name = "router" if hasattr(block, "router") else "gate"
+        router = getattr(block, name)
+        setattr(block, name, EngineRouter(router.weight, router.top_k, renormalize, getattr(router, "bias", None)))
+        block.experts = EngineExperts(experts, fmt, arithmetic, decode_rows, rounding, glu)
     return model
