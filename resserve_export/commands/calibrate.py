@@ -66,8 +66,11 @@ def command(
         Optional[str],
         typer.Option(
             "--weight-algo",
-            help="Weight-side algorithm: rtn (round to nearest) or awq (activation-aware per-channel scales, searched under "
-            "W4A4 and folded exactly into the norms / rows before each group; pack applies them)." + _default(_D.weight_algo, preset=False),
+            help="Weight-side algorithm: rtn (round to nearest), awq (activation-aware per-channel scales, searched under "
+            "W4A4 and folded exactly into the norms / rows before each group; pack applies them), gptq (each linear quantized "
+            "column by column in the format's block order, its rounding error spread over the later columns by the inverse input "
+            "Hessian of the calibration tokens; pack writes these weights) or awq+gptq (GPTQ on the AWQ-smoothed model). gptq "
+            "quantizes for --format / --mx-scale, which pack must then use." + _default(_D.weight_algo, preset=False),
         ),
     ] = None,
     awq_tokens: Annotated[

@@ -66,7 +66,7 @@ def apply_fold(model, fold: Fold, s: torch.Tensor, params: dict | None = None) -
 
 # ----------------------------------------------------------------------------- the applied smoothing
 
-WEIGHT_ALGOS = ("rtn", "awq")
+WEIGHT_ALGOS = ("rtn", "awq", "gptq", "awq+gptq")
 FILE = "awq.safetensors"
 SCALE_SUFFIX = "awq_scales"
 
@@ -188,9 +188,9 @@ class Smoothing:
         tensor (default: those of `shapes`)."""
 
         algo = record.get("weight_algo") or {"name": "rtn"}
-        if algo.get("name", "rtn") == "rtn":
+        if algo.get("name", "rtn") in ("rtn", "gptq"):
             return None
-        if algo.get("name") != "awq":
+        if algo.get("name") not in ("awq", "awq+gptq"):
             raise UserError(f"{calib} records weight algorithm {algo.get('name')!r}, which this version does not know: re-run calibrate")
         path = Path(calib) / (algo.get("file") or FILE)
         if not path.is_file():

@@ -74,6 +74,7 @@ def compute_scores(
     memory_budget: int | None = None,
     precision: str = "auto",
     log: dict | None = None,
+    base_weights: dict | None = None,
 ) -> dict:
     """The content of ``scores.json`` (see the module docstring and the calibration contract).
 
@@ -94,6 +95,8 @@ def compute_scores(
     The bf16 path keeps bf16 copies of the candidate weights (≈ 4 bytes per weight on such GPUs,
     ≈ 8 elsewhere). The result records the precision used. KL scores always use the FP32 path.
     log: grad only: record every addition and the token count (a data-parallel rank's share).
+    base_weights: ``{module: FP4Tensor}``, the base quantization of those linears (GPTQ's) in
+    place of round to nearest; their extensions are built from its dequantized weights.
     """
     if method not in METHODS:
         raise ValueError(f"unknown score method {method!r}, available: {list(METHODS)}")
@@ -126,7 +129,7 @@ def compute_scores(
             if candidates is None:
                 budget = default_budget(device_of(model)) if memory_budget is None else int(memory_budget)
                 bpw = bytes_per_weight_of(method, precision, device_of(model), dtype)
-                candidates = CandidatePool(model, groups, stats, ratios, fmt, rounding, budget, bpw)
+                candidates = CandidatePool(model, groups, stats, ratios, fmt, rounding, budget, bpw, base_weights)
                 # The grad hooks visit the groups last layer first: keep those that fit from there.
                 candidates.prebuild([g.modules for g in (reversed(groups) if method == "grad" else groups)], wprog)
             if method == "kl":

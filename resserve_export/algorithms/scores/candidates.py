@@ -66,10 +66,15 @@ class Candidates:
     Fused members share the group's weight α (max amax over the members, docs/formats.md) and the input α
     from the calibrated amax. The base quantization is computed once per member and shared by
     every ratio (plain and full use it alone; partial ratios add their K-Ext extension), exactly
-    as `QuantizedWeight` builds it (tests check the two bit for bit).
+    as `QuantizedWeight` builds it (tests check the two bit for bit). `base_weights`: ``{module:
+    FP4Tensor}`` of members whose base quantization is given (GPTQ's); their extensions are built
+    from its dequantized weights, as `pack` builds them.
     """
 
-    def __init__(self, model: nn.Module, group: Group, stats: dict, ratios, fmt: str | registry.Format, rounding: ScaleRounding):
+    def __init__(
+        self, model: nn.Module, group: Group, stats: dict, ratios, fmt: str | registry.Format, rounding: ScaleRounding,
+        base_weights: dict | None = None,
+    ):
         self.format = registry.get(fmt)
         self.group, self.fmt, self.rounding = group, self.format.name, ScaleRounding(rounding)
         self.ratios = sorted({check_ratio(r) for r in ratios})
@@ -80,15 +85,21 @@ class Candidates:
         self.input_alpha = self.format.input_alpha(amax)  # None without a tensor scale
         weight_alpha = self.format.weight_alpha(lin.weight.detach() for lin in self.linears)
         self.masks = {r: select_mask(mean_abs, r) for r in self.ratios}
+        given = {m: (base_weights or {}).get(m) for m in group.modules}
         base = [
             QuantizedWeight(lin.weight.detach(), self.format, ratio=0.0, weight_alpha=weight_alpha, rounding=self.rounding)
-            for lin in self.linears
+            if given[m] is None
+            else _stored(given[m], self.rounding, lin.weight.device)
+            for m, lin in zip(group.modules, self.linears)
         ]
         # qw[r][i]: member i at ratio r.
         self.qw: dict[float, list[QuantizedWeight]] = {}
         for r in self.ratios:
             if mode_of(r) == "k_ext":
-                self.qw[r] = [_extended(b, lin.weight.detach(), r, self.masks[r]) for b, lin in zip(base, self.linears)]
+                self.qw[r] = [
+                    _extended(b, lin.weight.detach() if given[m] is None else b.w, r, self.masks[r])
+                    for m, b, lin in zip(group.modules, base, self.linears)
+                ]
             else:
                 self.qw[r] = base
         self.backend = "auto"
@@ -328,6 +339,13 @@ class Candidates:
             yield
 
 
+def _stored(q: FP4Tensor, rounding: ScaleRounding, device: torch.device) -> QuantizedWeight:
+    """A member whose base quantization is given (GPTQ's), on `device`."""
+    g = None if q.global_scale is None else q.global_scale.to(device)
+    q = FP4Tensor(q.fmt, q.codes.to(device), q.scales.to(device), g)
+    return QuantizedWeight.from_stored(q.fmt, 0.0, rounding, None, q, dequantize(q))
+
+
 def _extended(base: QuantizedWeight, weight: torch.Tensor, ratio: float, mask: torch.Tensor) -> QuantizedWeight:
     """`base` plus the K-Ext extension for a partial ratio: what ``QuantizedWeight(weight, ...,
     ratio=ratio, mask=mask)`` builds, without quantizing the base again."""
@@ -340,12 +358,13 @@ def _extended(base: QuantizedWeight, weight: torch.Tensor, ratio: float, mask: t
 
 
 def build_candidates(
-    model: nn.Module, groups: list[Group], stats: dict, ratios=RATIOS, fmt: str = "nvfp4", rounding="ceil", progress=None
+    model: nn.Module, groups: list[Group], stats: dict, ratios=RATIOS, fmt: str = "nvfp4", rounding="ceil", progress=None,
+    base_weights: dict | None = None,
 ) -> dict[tuple[str, ...], Candidates]:
     """{group modules: Candidates}: every group's quantized weights, built once (the costly part)."""
     out = {}
     for k, g in enumerate(groups):
-        out[g.modules] = Candidates(model, g, stats, ratios, fmt, ScaleRounding(rounding))
+        out[g.modules] = Candidates(model, g, stats, ratios, fmt, ScaleRounding(rounding), base_weights)
         if progress is not None:
             progress(k + 1, len(groups))
     return out

@@ -38,8 +38,9 @@ class CandidatePool:
     one extra group at a time, at the price of quantizing those groups' weights once per batch.
     Built candidates are the same either way (deterministic), so the scores are too."""
 
-    def __init__(self, model, groups, stats, ratios, fmt, rounding, budget: int, bytes_per_weight: float):
+    def __init__(self, model, groups, stats, ratios, fmt, rounding, budget: int, bytes_per_weight: float, base_weights: dict | None = None):
         self.model, self.stats, self.ratios, self.fmt, self.rounding = model, stats, ratios, fmt, ScaleRounding(rounding)
+        self.base_weights = base_weights
         self.groups = {g.modules: g for g in groups}
         self.budget, self.bytes_per_weight = budget, bytes_per_weight
         self.kept: dict[tuple[str, ...], Candidates] = {}
@@ -49,7 +50,7 @@ class CandidatePool:
         if key in self.kept:
             return self.kept[key]
         g = self.groups[key]
-        cand = Candidates(self.model, g, self.stats, self.ratios, self.fmt, self.rounding)
+        cand = Candidates(self.model, g, self.stats, self.ratios, self.fmt, self.rounding, self.base_weights)
         self.builds += 1
         size = g.weight_count * self.bytes_per_weight
         if self.used + size <= self.budget:

@@ -23,7 +23,8 @@ class Collected:
     the KV-cache statistics, or None with `kv_problem` saying why; `scores`: scores.json's record
     (None with ``--scores none``, and on ranks other than 0); `smoothing` and `weight_algo`: the
     AWQ scales (None without ``--weight-algo awq``) and calibration.json's record of the weight
-    algorithm; `moe`: calibration.json's record of a mixture-of-experts calibration."""
+    algorithm; `moe`: calibration.json's record of a mixture-of-experts calibration; `gptq`: the
+    GPTQ-quantized linears (None without GPTQ)."""
 
     stats: dict[str, torch.Tensor]
     num_tokens: int
@@ -34,3 +35,4 @@ class Collected:
     smoothing: Smoothing | None = None
     weight_algo: dict = field(default_factory=_rtn)
     moe: dict | None = None
+    gptq: dict | None = None  # {module: FP4Tensor} of ``--weight-algo gptq`` / ``awq+gptq``

@@ -36,6 +36,8 @@ def start_ranks(config: CalibConfig, resume: bool) -> tuple[Ranks, CalibConfig]:
         raise UserError("--resume does not run under torchrun: run it in one process")
     if config.scores == "kl":
         raise UserError("--scores kl does not run under torchrun: use --scores grad, or one process")
+    if "gptq" in config.weight_algo.split("+"):
+        raise UserError(f"--weight-algo {config.weight_algo} does not run under torchrun yet: run it in one process; nothing was calibrated")
     ranks = Ranks.start(config.device)
     return ranks, replace(config, device=ranks.device(config.device))
 

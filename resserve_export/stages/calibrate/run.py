@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from resserve_export.algorithms import gptq
 from resserve_export.core import devices
 from resserve_export.core.distributed import Ranks, world_size
 from resserve_export.core.errors import UserError
@@ -176,6 +177,8 @@ def _write(out: Path, got: Collected, record: dict, t0: float, overwrite: bool, 
         save_stats(got.stats, tmp / "salience.safetensors")
         if got.smoothing is not None:
             got.smoothing.save(tmp / got.weight_algo["file"])
+        if got.gptq is not None:
+            gptq.save(got.gptq, tmp / got.weight_algo["gptq_file"])
         if got.kv_stats is not None:
             kv_file.save(got.kv_stats, tmp / kv_file.FILE)
         if got.scores is not None:
@@ -205,7 +208,7 @@ def choose_pipeline(config: CalibConfig, shapes) -> str:
         if config.scores == "kl":
             raise UserError("--pipeline sequential computes --scores grad or none, not kl: use --scores grad, or --pipeline whole")
         if config.weight_algo != "rtn":
-            raise UserError("--weight-algo awq needs --pipeline whole for now")
+            raise UserError(f"--weight-algo {config.weight_algo} needs --pipeline whole for now")
         return "sequential"
     if config.pipeline == "whole" or config.scores == "kl" or config.weight_algo != "rtn":
         return "whole"

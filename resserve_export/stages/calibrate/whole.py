@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 from contextlib import nullcontext
 
+from resserve_export.algorithms import gptq
 from resserve_export.algorithms.awq.decoder import plan_folds
 from resserve_export.algorithms.awq.pipeline import search_smoothing
 from resserve_export.algorithms.awq.smoothing import Smoothing
@@ -30,7 +31,7 @@ def smooth(net, batches, groups, config: CalibConfig, shapes, show_progress, blo
     describes the smoothed model, with the values the checkpoint will store. `blocks`: a
     mixture-of-experts model's expert blocks. Returns (the `awq.Smoothing` or None,
     calibration.json's record)."""
-    if config.weight_algo != "awq":
+    if "awq" not in config.weight_algo.split("+"):
         return None, {"name": "rtn"}
     blocks = list(blocks)
     with Progress("AWQ scale search", len(plan_folds(net, blocks, shapes)), unit="groups", enabled=show_progress) as bar:
@@ -80,18 +81,39 @@ def collect_whole(model_dir, out, config: CalibConfig, batches, shapes, show_pro
                 stats, num_tokens = collect(net, batches, groups, step, kv=kv)
             kv_stats = kv.result()
 
+        quantized = None
+        if "gptq" in config.weight_algo.split("+"):
+            quantized, weight_algo = run_gptq(net, batches, groups, config, weight_algo, show_progress, blocks)
+
         scores = None
         if config.scores != "none":
             # Experts scored as per-expert linears under their checkpoint names, with the true routing.
             with unfused(net, list(blocks)) if blocks else nullcontext():
                 scores = compute_scores(
                     net, batches, stats, groups, config.scores, list(RATIOS), config.format, config.score_samples,
-                    rounding=config.mx_scale, show_progress=show_progress, precision=config.score_precision,
+                    rounding=config.mx_scale, show_progress=show_progress, precision=config.score_precision, base_weights=quantized,
                 )
     finally:
         if offload is not None:
             shutil.rmtree(offload, ignore_errors=True)
-    return Collected(stats, num_tokens, kv_stats, kv.problem, groups, scores, smoothing, weight_algo, moe)
+    return Collected(stats, num_tokens, kv_stats, kv.problem, groups, scores, smoothing, weight_algo, moe, quantized)
+
+
+def run_gptq(net, batches, groups, config: CalibConfig, weight_algo: dict, show_progress, blocks=()) -> tuple[dict, dict]:
+    """With ``--weight-algo gptq`` (or ``awq+gptq``, on the smoothed model): every quantized linear
+    by GPTQ (`algorithms.gptq`). Returns ({module: FP4Tensor}, calibration.json's record, AWQ's
+    fields kept)."""
+    with Progress("GPTQ", len(groups), unit="groups", enabled=show_progress) as bar:
+        quantized, record = gptq.quantize_model(
+            net, batches, groups, config.format, config.mx_scale, blocks=list(blocks), progress=lambda: bar.advance(1)
+        )
+    if weight_algo.get("name", "rtn") != "rtn":
+        record = {**weight_algo, **record, "name": config.weight_algo}
+    fallback = record["rounded_to_nearest"]
+    if fallback:
+        more = f" and {len(fallback) - 5} more" if len(fallback) > 5 else ""
+        say(f"warning: GPTQ rounded {len(fallback)} linears to nearest, no calibration token reached them ({', '.join(list(fallback)[:5])}{more})")
+    return quantized, record
 
 
 def warn_fallbacks(experts: list[str]) -> None:

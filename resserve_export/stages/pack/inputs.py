@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from resserve_export.algorithms import gptq
 from resserve_export.algorithms.awq.smoothing import Smoothing
 from resserve_export.core import devices
 from resserve_export.core.errors import UserError
@@ -156,6 +157,12 @@ def check_awq_format(record: dict, calib: Path, fmt: str, rounding: str) -> None
     _check_recorded_format(f"the AWQ scales in {calib} were searched for {{fmt}}", record.get("format"), record.get("mx_scale_rounding"), fmt, rounding, "")
 
 
+def check_gptq_format(record: dict, calib: Path, fmt: str, rounding: str) -> None:
+    """Refuse to pack GPTQ weights quantized in another format (or MXFP4 scale rounding): their
+    codes and block scales are that format's."""
+    _check_recorded_format(f"the GPTQ weights in {calib} were quantized to {{fmt}}", record.get("format"), record.get("mx_scale_rounding"), fmt, rounding, "")
+
+
 def kv_tensors(calib: Path, shapes, f: registry.Format, kv_cache: str) -> dict[str, torch.Tensor]:
     """{name: stored scale} of the KV-cache scales (empty for ``none``): amax / 448 of the
     calibration's per-layer key and value amax (see `formats.kv`)."""
@@ -225,6 +232,7 @@ class PackInputs:
     calibration: dict  # calibration.json
     stats: dict[str, tuple[torch.Tensor, torch.Tensor]]  # {module: (mean_abs, amax)}
     smoothing: Smoothing | None
+    gptq: gptq.Stored | None  # the calibration's GPTQ-quantized linears
     ratios: dict[str, float]  # {group name: ρ}
     plan: dict | None  # the plan's provenance
 
@@ -252,12 +260,18 @@ def read_inputs(
     smoothing = Smoothing.from_calibration(calib, calib_meta, shapes)
     if smoothing is not None:
         check_awq_format(calib_meta["weight_algo"], calib, fmt, rounding)
+    quantized = gptq.from_calibration(calib, calib_meta)
+    if quantized is not None:
+        check_gptq_format(calib_meta["weight_algo"], calib, fmt, rounding)
+        missing = [m for g in groups for m in g.modules if m not in quantized]
+        if missing:
+            raise UserError(f"{calib}'s GPTQ weights have no {missing[0]}, which this model quantizes: pack the model the calibration was made from")
     ratios, plan_prov = load_ratios(groups, ratio, plan, fingerprint, fmt, rounding, allow_other_weights)
-    return PackInputs(model_dir, source, cfg, shapes, blocks, fingerprint, groups, calib_meta, stats, smoothing, ratios, plan_prov)
+    return PackInputs(model_dir, source, cfg, shapes, blocks, fingerprint, groups, calib_meta, stats, smoothing, quantized, ratios, plan_prov)
 
 
 __all__ = [
     "DEPTH_ENV", "read_calibration", "load_calibration", "check_format_arg", "check_ratio_arg", "load_ratios",
-    "check_plan_format", "check_awq_format", "kv_tensors", "pipeline_depth", "PackArgs", "check_args",
+    "check_plan_format", "check_awq_format", "check_gptq_format", "kv_tensors", "pipeline_depth", "PackArgs", "check_args",
     "PackInputs", "read_inputs",
 ]

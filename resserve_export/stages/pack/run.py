@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from resserve_export import __version__
+from resserve_export.algorithms import gptq
 from resserve_export.algorithms.awq.smoothing import FILE as AWQ_FILE
 from resserve_export.algorithms.awq.smoothing import file_digest
 from resserve_export.core.errors import UserError
@@ -126,7 +127,7 @@ def pack(
         mw = ShardedWriter(tmp, MODEL_PREFIX, model_shards)
         sw = ShardedWriter(tmp, SIDECAR_PREFIX, side_shards)
         try:
-            smoothed = SmoothedSource(inputs.source, inputs.smoothing)
+            smoothed = SmoothedSource(inputs.source, inputs.smoothing, inputs.gptq)
             stream(layout, smoothed, inputs.stats, inputs.ratios, fmt, args.rounding, args.device, mw, sw, progress, kv, args.depth)
             mw.close()
             sw.close()
@@ -166,6 +167,10 @@ def _provenance(inputs: PackInputs, calib: Path, ratio: float | None) -> dict:
             "smoothed_groups": len(inputs.smoothing.folds),
             "scales_sha256": file_digest(calib / inputs.calibration["weight_algo"].get("file", AWQ_FILE)),
         }
+    if inputs.gptq is not None:
+        algo = provenance.setdefault("weight_algo", {})
+        algo["name"] = inputs.calibration["weight_algo"]["name"]
+        algo["gptq_sha256"] = gptq.digest(inputs.gptq.path)
     return provenance
 
 

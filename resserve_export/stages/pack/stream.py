@@ -22,6 +22,7 @@ import threading
 
 import torch
 
+from resserve_export.algorithms import gptq
 from resserve_export.algorithms.awq.smoothing import Smoothing
 from resserve_export.algorithms.kext import extend_weight
 from resserve_export.algorithms.selection import select_mask
@@ -30,6 +31,7 @@ from resserve_export.core.names import EXT_SCALE_SUFFIX, EXT_WEIGHT_SUFFIX, MASK
 from resserve_export.core.ui import Progress
 from resserve_export.formats import ops as formats
 from resserve_export.formats import registry
+from resserve_export.formats.qtensor import FP4Tensor
 from resserve_export.modeling.groups import Group
 from resserve_export.stages.pack.inputs import pipeline_depth
 from resserve_export.storage import fused_experts
@@ -44,11 +46,25 @@ COPY_CHUNK = 16 << 20  # the writer's buffer for verbatim copies
 
 class SmoothedSource:
     """The source tensors as the checkpoint stores them: with a calibration's AWQ `Smoothing`
-    applied to the weights, norms and biases it changes (`awq.Smoothing.apply`), else as read."""
+    applied to the weights, norms and biases it changes (`awq.Smoothing.apply`), else as read;
+    and with its GPTQ weights (`gptq.Stored`), the quantized linears GPTQ chose."""
 
-    def __init__(self, source: SafetensorsFiles, smoothing: Smoothing | None):
-        self.source, self.smoothing = source, smoothing
+    def __init__(self, source: SafetensorsFiles, smoothing: Smoothing | None, quantized: gptq.Stored | None = None):
+        self.source, self.smoothing, self.quantized = source, smoothing, quantized
         self.entries = source.entries
+
+    def gptq(self, module: str, shape: tuple[int, int], alpha: torch.Tensor | None, dev: torch.device) -> FP4Tensor | None:
+        """The calibration's GPTQ tensor of `module` on `dev` (None without GPTQ), checked to have
+        the tensor scale `alpha` that `pack` computes from the weights it reads."""
+        q = None if self.quantized is None else self.quantized.get(module, shape)
+        if q is None:
+            return None
+        if alpha is not None and not torch.equal(q.global_scale.reshape(()).view(torch.int32), alpha.reshape(()).to("cpu").view(torch.int32)):
+            raise UserError(
+                f"the GPTQ weights of {module} were quantized with another tensor scale than these weights give: "
+                "pack the model the calibration was made from"
+            )
+        return FP4Tensor(q.fmt, q.codes.to(dev), q.scales.to(dev), None if alpha is None else alpha.to(dev))
 
     def changes(self, name: str) -> bool:
         return self.smoothing is not None and self.smoothing.affects(name)
@@ -336,7 +352,11 @@ def pack_group(g, weights, source, stats, ratio, fmt, rounding, dev, mw, sw) -> 
     input_scale = f.input_alpha(amax_x)
     for m in g.modules:
         w = weight(m).to(dev, non_blocking=True)
-        q = formats.quantize(w, f, alpha=alpha, rounding=rounding)
+        q = source.gptq(m, tuple(w.shape), alpha, dev)
+        if q is None:
+            q = formats.quantize(w, f, alpha=alpha, rounding=rounding)
+        else:
+            w = q.dequantize()  # the extension selects columns of the weights GPTQ chose
         for suffix, t in f.base_tensors(q, input_scale):
             mw.write(f"{m}.{suffix}", t)
         if mask is not None:

@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from resserve_export.algorithms import gptq
 from resserve_export.algorithms.awq.smoothing import FILE, Smoothing, file_digest
 from resserve_export.algorithms.kext import extend_weight
 from resserve_export.algorithms.selection import mask_to_bool, select_mask
@@ -26,6 +27,7 @@ from resserve_export.formats import kv as kv_format
 from resserve_export.formats import registry
 from resserve_export.formats.constants import SELECTION_GROUP
 from resserve_export.formats.ops import quantize
+from resserve_export.formats.qtensor import FP4Tensor
 from resserve_export.storage import kv_stats as kv_file
 from resserve_export.storage.checkpoint import Checkpoint, PackedLinear
 
@@ -57,18 +59,25 @@ def _first_difference(
     rounding: str,
     mask: torch.Tensor | None,
     input_scale: torch.Tensor | None,
+    ref: FP4Tensor | None = None,
 ) -> str | None:
     """The first stored tensor of one linear that differs from its reference, or None.
 
     Weight-derived tensors come first, calibration-derived ones (mask, input scale; None: not
     checked) last, so a reported calibration difference means the weights all matched. The
     extension is rebuilt from the stored mask: whether that mask is the calibration's is a
-    separate question.
+    separate question. `ref`: the calibration's GPTQ quantization of the linear, which replaces
+    the round-to-nearest one (its tensor scale must still be the one `w` gives) and whose
+    dequantized weights the extension is built from.
     """
     f = registry.get(pk.fmt)
     if f.has_tensor_scale and not _same(pk.base.global_scale, alpha):
         return f.tensor_scale_name
-    q = quantize(w, f, alpha=alpha, rounding=rounding, backend="reference")
+    if ref is not None and f.has_tensor_scale and not _same(ref.global_scale.reshape(()), alpha.reshape(())):
+        return f.tensor_scale_name
+    q = quantize(w, f, alpha=alpha, rounding=rounding, backend="reference") if ref is None else ref
+    if ref is not None:
+        w = ref.dequantize()
     if not _same(pk.base.codes, q.codes):
         return f.weight_name
     if not _same(pk.base.scales, q.scales):
@@ -92,6 +101,7 @@ def weight_mismatches(
     weights: dict[str, torch.Tensor],
     stats: dict[str, dict] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    quantized: gptq.Stored | None = None,
 ) -> list[tuple[str, str]]:
     """``(module, first differing tensor)`` for each stored linear that differs from a fresh
     quantization of `weights` (the model's, in its source dtype), in checkpoint order.
@@ -102,7 +112,8 @@ def weight_mismatches(
     re-quantized with it, and the K-Ext extension rebuilt with `kext.extend_weight`. With
     calibration statistics `stats` (``{module: {"mean_abs", "amax"}}``, as `calibrate` writes
     them) the masks must also be ``select_mask(mean_abs, ratio)`` and NVFP4's ``input_scale`` the
-    group's max amax_x through `global_scale`. Every comparison is bit for bit.
+    group's max amax_x through `global_scale`. Every comparison is bit for bit. `quantized`: a
+    GPTQ calibration's tensors, the reference of the codes and block scales of the linears it holds.
     """
     f = registry.get(ck.fmt)
     bad = []
@@ -117,7 +128,8 @@ def weight_mismatches(
             mask = select_mask(stats[members[0]]["mean_abs"], ratio) if ratio > 0 else None
             input_scale = f.input_alpha(torch.stack([stats[m]["amax"].float().reshape(()) for m in members]).max())
         for m in members:
-            first = _first_difference(ck.read(m), weights[m], alpha, ck.rounding, mask, input_scale)
+            ref = quantized.get(m, tuple(weights[m].shape)) if quantized is not None else None
+            first = _first_difference(ck.read(m), weights[m], alpha, ck.rounding, mask, input_scale, ref)
             if first is not None:
                 bad.append((m, first))
             if progress:
@@ -132,13 +144,14 @@ def check_weights_match(
     *,
     model: str = "the model",
     progress: Callable[[str, int, int], None] | None = None,
+    quantized: gptq.Stored | None = None,
 ) -> None:
     """Raise `CheckpointMismatch` (one line) unless `weight_mismatches` finds nothing.
 
     The hint depends on what differs: when only calibration-derived tensors do (masks, input
     scales), the model is right and the calibration is not.
     """
-    bad = weight_mismatches(ck, weights, stats, progress)
+    bad = weight_mismatches(ck, weights, stats, progress, quantized)
     if not bad:
         return
     m, name = bad[0]
@@ -201,8 +214,8 @@ def checkpoint_smoothing(ck: Checkpoint, calib: Path | None, dtypes: dict | None
         except (OSError, ValueError):
             raise UserError(f"{calib} has no readable calibration.json: pass the --calib the checkpoint was packed with") from None
     calib_algo = ((meta or {}).get("weight_algo") or {}).get("name", "rtn")
-    if not algo:
-        if calib_algo != "rtn":
+    if not algo or "scales_sha256" not in algo:
+        if "awq" in calib_algo.split("+"):
             raise CheckpointMismatch(
                 f"{calib} holds {calib_algo.upper()} scales but {ck.dir} was packed without them: pass the --calib it was packed with"
             )
@@ -212,9 +225,31 @@ def checkpoint_smoothing(ck: Checkpoint, calib: Path | None, dtypes: dict | None
             f"{ck.dir} holds AWQ-smoothed weights: pass --calib with the calibration it was packed with, whose scales verify needs to reproduce them"
         )
     path = Path(calib) / ((meta or {}).get("weight_algo") or {}).get("file", FILE)
-    if calib_algo != "awq" or not path.is_file() or file_digest(path) != algo.get("scales_sha256"):
+    if "awq" not in calib_algo.split("+") or not path.is_file() or file_digest(path) != algo.get("scales_sha256"):
         raise CheckpointMismatch(f"{ck.dir} was packed with other AWQ scales than those in {calib}: pass the --calib it was packed with")
     return Smoothing.from_calibration(Path(calib), meta, dtypes=dtypes)
+
+
+def checkpoint_gptq(ck: Checkpoint, calib: Path | None) -> gptq.Stored | None:
+    """The GPTQ tensors `ck` was packed with, from its calibration directory (whose GPTQ file must
+    be the one recorded at pack time, by its SHA-256), or None for a checkpoint packed without."""
+    algo = (ck.resserve.get("provenance") or {}).get("weight_algo") or {}
+    meta = None
+    if calib is not None:
+        try:
+            meta = json.loads((Path(calib) / "calibration.json").read_text())
+        except (OSError, ValueError):
+            raise UserError(f"{calib} has no readable calibration.json: pass the --calib the checkpoint was packed with") from None
+    stored = gptq.from_calibration(calib, meta) if meta is not None else None
+    if "gptq_sha256" not in algo:
+        if stored is not None:
+            raise CheckpointMismatch(f"{calib} holds GPTQ weights but {ck.dir} was packed without them: pass the --calib it was packed with")
+        return None
+    if calib is None:
+        raise UserError(f"{ck.dir} holds GPTQ-quantized weights: pass --calib with the calibration it was packed with, whose GPTQ weights verify checks")
+    if stored is None or gptq.digest(stored.path) != algo["gptq_sha256"]:
+        raise CheckpointMismatch(f"{ck.dir} was packed with other GPTQ weights than those in {calib}: pass the --calib it was packed with")
+    return stored
 
 
 def check_smoothed_tensors(ck: Checkpoint, model, smoothing: Smoothing, params: dict | None = None) -> None:
@@ -243,5 +278,6 @@ __all__ = [
     "linear_weights",
     "smoothed_weights",
     "checkpoint_smoothing",
+    "checkpoint_gptq",
     "check_smoothed_tensors",
 ]

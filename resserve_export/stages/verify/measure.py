@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -49,6 +49,7 @@ class LinearNmse:
     layers: list[dict]
     pooled: dict[str, PooledError]
     by_kind: dict[str, dict[str, PooledError]]
+    unmeasured: list[str] = field(default_factory=list)  # experts no token of the text reached
 
 
 def linear_kind(module: str) -> str:
@@ -85,6 +86,7 @@ def evaluate(
     progress: Progress | None = None,
     smoothing: Smoothing | None = None,
     experts=None,
+    gptq: bool = False,
 ) -> dict:
     """The measurements of `verify` for a loaded model and an opened checkpoint (no files).
 
@@ -92,7 +94,9 @@ def evaluate(
     on a mismatch before anything is measured. `smoothing`: the AWQ smoothing the checkpoint was
     packed with (`checkpoint_smoothing`); the reference stays the unsmoothed `model`. `experts`:
     the `experts.Unfused` handle of a mixture-of-experts model (its experts mounted as per-expert
-    linears), told each batch's mask while inputs are captured.
+    linears), told each batch's mask while inputs are captured. `gptq`: the checkpoint holds GPTQ
+    weights (``weight_algo`` gptq or awq+gptq): the sweep's extensions are built from its stored
+    weights, as `pack` builds them.
     """
     t0 = time.perf_counter()
     groups = [tuple(g["members"]) for g in ck.groups]
@@ -113,13 +117,15 @@ def evaluate(
     ppl = {"bf16": source.perplexity}
     # 2. NMSE per fused group.
     backend = kernel.backend_for(torch.empty(0, dtype=dtype, device=device))
-    nmse = _linear_nmse(ck, groups, source.capture, packed_all, original, weights, salience, sweep, smoothing, device, progress)
+    ext_from = {m: pk.base.dequantize() for m, pk in packed_all.items()} if gptq else weights
+    nmse = _linear_nmse(ck, groups, source.capture, packed_all, original, ext_from, salience, sweep, smoothing, device, progress)
     # 3. Emulated perplexity (an AWQ checkpoint's smoothed norms, biases and routers in place).
     ppl.update(_emulated_perplexity(model, ck, batches, packed_all, kv_scales, device, smoothing, experts, progress))
     kv_report = None
     if kv_scales:
         kv_report = {"format": ck.kv_cache, "scale": f"amax / {SCALE_DIVISOR:g}", "point": POINT, **source.kv.nmse()}
-    return _report(ck, batches, nmse, ppl, kv_report, sweep, backend, device, dtype, smoothing, check_weights, t0)
+    algo = ("awq+gptq" if smoothing is not None else "gptq") if gptq else ("awq" if smoothing is not None else "rtn")
+    return _report(ck, batches, nmse, ppl, kv_report, sweep, backend, device, dtype, algo, check_weights, t0)
 
 
 def _source_pass(
@@ -150,8 +156,13 @@ def _linear_nmse(
     progress: Progress | None,
 ) -> LinearNmse:
     """`group_nmse` of every fused group on its captured inputs, as report rows and pooled."""
-    layers, totals, by_kind = [], {}, {}
+    layers, totals, by_kind, unmeasured = [], {}, {}, []
     for g in groups:
+        if not cap.count[g]:
+            unmeasured.extend(g)  # an expert the text routed no token to: nothing to measure it on
+            if progress:
+                progress("linear-output NMSE", 1, len(groups))
+            continue
         x = cap.inputs(g).to(device)
         packed = {m: packed_all[m] for m in g}
         sal = salience.get(g[0]) if salience else None
@@ -171,7 +182,7 @@ def _linear_nmse(
         if progress:
             progress("linear-output NMSE", 1, len(groups))
     layers.sort(key=lambda r: natural_key(r["module"]))
-    return LinearNmse(layers, totals, by_kind)
+    return LinearNmse(layers, totals, by_kind, unmeasured)
 
 
 def _emulated_perplexity(
@@ -202,7 +213,7 @@ def _emulated_perplexity(
 
 def _report(
     ck: Checkpoint, batches, nmse: LinearNmse, ppl: dict, kv_report: dict | None, sweep, backend: str, device, dtype,
-    smoothing: Smoothing | None, check_weights: bool, t0: float,
+    algo: str, check_weights: bool, t0: float,
 ) -> dict:
     """verify.json's measurements (without the run's inputs, which `verify` adds)."""
     layers = nmse.layers
@@ -218,8 +229,9 @@ def _report(
         "device": str(device),
         "tokens_scored": int(sum(int(b["attention_mask"].sum()) for b in batches)),
         "nmse_tokens_per_layer": min(r["tokens"] for r in layers),
+        **({"nmse_unmeasured": nmse.unmeasured} if nmse.unmeasured else {}),
         "model_dtype": str(dtype).removeprefix("torch."),
-        "weight_algo": "awq" if smoothing is not None else "rtn",
+        "weight_algo": algo,
         "weights_match_reference": True if check_weights else None,
         "nmse": {
             "pooled": pooled,

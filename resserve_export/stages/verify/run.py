@@ -61,6 +61,7 @@ from resserve_export.stages.verify.checks import (
     check_kv_scales,
     check_smoothed_tensors,
     check_weights_match,
+    checkpoint_gptq,
     checkpoint_smoothing,
     linear_weights,
     smoothed_weights,
@@ -181,11 +182,11 @@ def verify(
         return _verify_loaded(req, Loaded(ck, model_dir, net, fp, dev, experts if has_experts else None))
 
 
-def _check(req: VerifyRequest, run: Loaded, stats: dict | None, smoothing: Smoothing | None) -> None:
+def _check(req: VerifyRequest, run: Loaded, stats: dict | None, smoothing: Smoothing | None, quantized=None) -> None:
     """The checks against the model (and the calibration, when given) before any measurement."""
     ck, net, experts = run.ck, run.net, run.experts
     weights = smoothed_weights(linear_weights(net, ck), smoothing)
-    check_weights_match(ck, weights, stats, model=modelio.model_label(req.model), progress=req.progress)
+    check_weights_match(ck, weights, stats, model=modelio.model_label(req.model), progress=req.progress, quantized=quantized)
     del weights
     if smoothing is not None:
         check_smoothed_tensors(ck, net, smoothing, checkpoint_parameters(net, experts.blocks if experts is not None else []))
@@ -214,8 +215,9 @@ def _verify_loaded(req: VerifyRequest, run: Loaded) -> dict:
     ck = run.ck
     stats = load_stats(req.calib_dir) if req.calib is not None else None
     smoothing = checkpoint_smoothing(ck, req.calib_dir, storage_dtypes(modelio.tensor_shapes(run.model_dir)))
+    quantized = checkpoint_gptq(ck, req.calib_dir)
     if req.check_weights:
-        _check(req, run, stats, smoothing)
+        _check(req, run, stats, smoothing, quantized)
     tok = modelio.load_tokenizer(run.model_dir)
     spec = req.text or DEFAULT_TEXT
     docs = data.load_documents(spec)
@@ -223,7 +225,7 @@ def _verify_loaded(req: VerifyRequest, run: Loaded) -> dict:
     salience, selection = _sweep_salience(req, run, stats, tok, docs)
     report = evaluate(
         run.net, ck, batches, salience, device=run.device, max_tokens=req.max_tokens, check_weights=False, progress=req.progress,
-        smoothing=smoothing, experts=run.experts,
+        smoothing=smoothing, experts=run.experts, gptq=quantized is not None,
     )
     report = {
         "checkpoint": str(req.ckpt),

@@ -262,8 +262,8 @@ def test_a_damaged_awq_calibration_is_refused(setup, tmp_path):
 
 
 def test_unknown_weight_algo_is_one_line():
-    with pytest.raises(UserError, match="unknown --weight-algo 'gptq': choose one of rtn, awq"):
-        make_config("quick", weight_algo="gptq")
+    with pytest.raises(UserError, match=r"unknown --weight-algo 'awq\+rtn': choose one of rtn, awq, gptq, awq\+gptq"):
+        make_config("quick", weight_algo="awq+rtn")
 
 
 # ----------------------------------------------------------------------------- verify
