@@ -1,8 +1,11 @@
-"""AWQ with residue compensation: what `verify` reports for round-to-nearest and AWQ checkpoints,
-plain and planned, and (``--part modelopt``, CUDA) ModelOpt's NVFP4 AWQ as the anchor.
+"""AWQ and GPTQ with residue compensation: what `verify` reports for round-to-nearest, AWQ, GPTQ and
+AWQ+GPTQ checkpoints, plain and planned, and (``--part modelopt``, CUDA) ModelOpt's NVFP4 AWQ as
+the anchor.
 
-``--part table`` (default): calibrates MODEL twice on the same calibration tokens (``--weight-algo
-rtn`` and ``awq``, grad scores), plans each at budgets 4.5 / 5.0 / 5.5 bits, packs NVFP4
+``--part table`` (default): calibrates MODEL once per ``--algos`` (default ``rtn,awq``; any of
+rtn, awq, gptq, awq+gptq) on the same calibration tokens (grad scores; ``--dtype`` the model's
+calibration dtype, e.g. float32 on a CPU without bf16 arithmetic), plans each at ``--budgets``
+(default 4.5 / 5.0 / 5.5 bits), packs NVFP4
 checkpoints (plain and planned) and measures each with `verify` on held-out text (a different
 split from calibration: nothing is tuned on it). Prints a Markdown table: pooled linear-output
 NMSE and perplexity of each checkpoint, with the bf16 model's perplexity.
@@ -12,7 +15,7 @@ loop over the same calibration tokens) against ``calibrate --weight-algo awq --s
 ``pack --ratio 0``; held-out perplexity of ModelOpt's fake-quantized model and of our checkpoint
 (as `verify` emulates it: W4A4 NVFP4, static input scales), and both calibration times.
 
-  .venv/bin/python bench/awq.py [--model default] [--config quick] [--samples 16] [--seq-len 256]
+  .venv/bin/python bench/awq.py [--model default] [--config quick] [--samples 16] [--seq-len 256] [--algos rtn,gptq] [--budgets 5.0]
   python bench/awq.py --part modelopt [--model default] [--config quick]
 """
 
@@ -35,11 +38,12 @@ BUDGETS = (4.5, 5.0, 5.5)
 def table(args) -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-awq-"))
     rows, bf16 = [], None
-    for algo in ("rtn", "awq"):
+    extra = {"dtype": args.dtype} if args.dtype else {}
+    for algo in args.algos.split(","):
         t0 = time.perf_counter()
-        calib = api.calibrate(args.model, root / f"calib-{algo}", config=args.config, weight_algo=algo, progress=False).path
+        calib = api.calibrate(args.model, root / f"calib-{algo}", config=args.config, weight_algo=algo, progress=False, **extra).path
         t_cal = time.perf_counter() - t0
-        runs = [("plain", None)] + [(f"plan {b}", b) for b in BUDGETS]
+        runs = [("plain", None)] + [(f"plan {b}", b) for b in (float(x) for x in args.budgets.split(","))]
         for label, budget in runs:
             if budget is None:
                 ck = api.pack(args.model, calib, root / f"ck-{algo}-plain", "nvfp4", ratio=0.0, progress=False).out
@@ -133,6 +137,9 @@ def main() -> None:
     ap.add_argument("--config", default="quick")
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--algos", default="rtn,awq", help="weight algorithms of the table, comma-separated")
+    ap.add_argument("--budgets", default=",".join(str(b) for b in BUDGETS), help="plan budgets of the table, comma-separated")
+    ap.add_argument("--dtype", default=None, help="calibration dtype (default: the preset's)")
     args = ap.parse_args()
     table(args) if args.part == "table" else modelopt(args)
 

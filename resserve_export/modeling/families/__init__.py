@@ -159,8 +159,8 @@ def check_format(config: dict, fmt: str, doing: str = "done") -> None:
 def check_weight_algo(config: dict, algo: str, doing: str = "done") -> None:
     """Refuse, before any work, ``--weight-algo awq`` for a family whose layers it cannot fold into exactly."""
     f = family_of(config)
-    if algo == "awq" and f.refused_awq:
-        raise UserError(f"--weight-algo awq: {f.refused_awq}; nothing was {doing}")
+    if "awq" in algo.split("+") and f.refused_awq:
+        raise UserError(f"--weight-algo {algo}: {f.refused_awq}; nothing was {doing}")
 
 
 def writes_fused_experts(config: dict) -> bool:

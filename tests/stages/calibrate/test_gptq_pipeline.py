@@ -222,3 +222,31 @@ def test_experts_are_quantized_each_on_its_routed_tokens(moe, tmp_path):
         assert torch.equal(rtn.codes, ck[m].base.codes) == (m in starved), m
     rep = verify(out, str(model), text=str(moe["texts"]), samples=2, seq_len=32, calib=calib, device="cpu")
     assert rep["weights_match_reference"] is True and rep["weight_algo"] == "gptq"
+
+
+@pytest.mark.xdist_group("moe")
+def test_gpt_oss_experts_take_gptq_through_their_own_activation(moe, tmp_path):
+    """gpt-oss (experts fused on disk, interleaved, with biases and a clamped SwiGLU): each expert
+    is quantized by GPTQ on the inputs its own forward gives it, and verify reads it back."""
+    model = moe["models"]["gpt_oss"]
+    cfg = make_config(
+        "quick", dataset=str(moe["texts"]), num_samples=7, seq_len=48, batch_size=3, device="cpu", scores="none", weight_algo="gptq",
+        format="mxfp4",
+    )
+    calib = cal.calibrate(str(model), tmp_path / "calib", cfg, show_progress=False).path
+    rec = _meta(calib)["weight_algo"]
+    out = pack(model, calib, tmp_path / "ck", "mxfp4", ratio=0.25, progress=False).out
+    ck = read_checkpoint(out)
+    stored = gptq.from_calibration(calib, _meta(calib))
+    experts = [m for m in ck if ".experts." in m]
+    assert len(experts) == 2 * 4 * 3 and sorted(stored.modules) == sorted(ck)
+    assert rec["quantized"] == len(ck) and set(rec["rounded_to_nearest"]) < set(experts)
+    for m in ck:
+        assert torch.equal(ck[m].base.codes, stored.get(m).codes) and torch.equal(ck[m].base.scales, stored.get(m).scales)
+    rep = verify(out, str(model), text=str(moe["texts"]), samples=2, seq_len=32, calib=calib, device="cpu")
+    assert rep["weights_match_reference"] is True and rep["weight_algo"] == "gptq"
+    p = run_main(
+        "calibrate", str(model), "--out", str(tmp_path / "c2"), "--config", "quick", "--dataset", str(moe["texts"]), "--device", "cpu",
+        "--scores", "none", "--format", "mxfp4", "--weight-algo", "awq+gptq",
+    )
+    assert_one_line_error(p, 2, "--weight-algo awq+gptq: gpt-oss's clamped SwiGLU", "nothing was calibrated")
