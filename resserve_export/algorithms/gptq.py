@@ -166,8 +166,10 @@ def quantize_model(
     model's expert blocks (experts are quantized one linear each, on their routed tokens).
     `progress()` is called once per group."""
     if any(p.device.type == "meta" for p in model.parameters()):
-        raise UserError("--weight-algo gptq needs the whole model in memory, but it was offloaded to disk: pass --device cpu or a GPU that holds it")
-    f = registry.get(fmt)
+        raise UserError(
+            "--weight-algo gptq needs the whole model in memory, but it was offloaded to disk: pass --device cpu, a GPU that holds it, "
+            "or --pipeline sequential"
+        )
     params = checkpoint_parameters(model, list(blocks))
     out: dict[str, FP4Tensor] = {}
     fallback: dict[str, str] = {}
@@ -175,31 +177,44 @@ def quantize_model(
         hs = _hessians(model, batches, chunk, blocks)
         for g in chunk:
             h, rows = hs.pop(g.modules[0])
-            ws = [params[f"{m}.weight"] for m in g.modules]
-            alpha = f.weight_alpha(ws)
-            if h is None:
-                for m, w in zip(g.modules, ws):
-                    out[m] = _to_cpu(quantize(w, f, alpha=alpha, rounding=rounding, backend="reference"))
-                    fallback[m] = RTN_NO_TOKENS
-            else:
-                try:
-                    with torch.no_grad():
-                        # Rows are independent given H: the members (one input, one α) in one pass.
-                        q = solve(torch.cat([w.detach() for w in ws]), h, fmt, alpha, rounding, damp)
-                except SingularHessian as e:
-                    raise UserError(
-                        f"GPTQ cannot quantize {g.name}: the Hessian of its {rows} calibration tokens is singular ({e}); "
-                        "calibrate with more samples, or --weight-algo rtn / awq"
-                    ) from None
-                start = 0
-                for m, w in zip(g.modules, ws):
-                    n = w.shape[0]
-                    out[m] = _to_cpu(FP4Tensor(q.fmt, q.codes[start : start + n], q.scales[start : start + n], q.global_scale))
-                    start += n
+            quantize_group(g, [params[f"{m}.weight"] for m in g.modules], h, rows, fmt, rounding, out, fallback, damp)
             del h
             if progress is not None:
                 progress()
-    record = {
+    return out, record(fmt, rounding, out, fallback, damp)
+
+
+def quantize_group(g, ws: list[torch.Tensor], h: torch.Tensor | None, rows: int, fmt: str, rounding, out: dict, fallback: dict, damp: float = DAMP) -> None:
+    """GPTQ of one decision group `g` (member weights `ws`, their input's Hessian `h` over `rows`
+    tokens) into `out` (``{module: FP4Tensor}``, CPU); without a Hessian (no token reached it)
+    round to nearest, recorded in `fallback`."""
+    f = registry.get(fmt)
+    alpha = f.weight_alpha(ws)
+    if h is None:
+        for m, w in zip(g.modules, ws):
+            out[m] = _to_cpu(quantize(w, f, alpha=alpha, rounding=rounding, backend="reference"))
+            fallback[m] = RTN_NO_TOKENS
+        return
+    try:
+        with torch.no_grad():
+            # Rows are independent given H: the members (one input, one α) in one pass.
+            q = solve(torch.cat([w.detach() for w in ws]), h, fmt, alpha, rounding, damp)
+    except SingularHessian as e:
+        raise UserError(
+            f"GPTQ cannot quantize {g.name}: the Hessian of its {rows} calibration tokens is singular ({e}); "
+            "calibrate with more samples, or --weight-algo rtn / awq"
+        ) from None
+    start = 0
+    for m, w in zip(g.modules, ws):
+        n = w.shape[0]
+        out[m] = _to_cpu(FP4Tensor(q.fmt, q.codes[start : start + n], q.scales[start : start + n], q.global_scale))
+        start += n
+
+
+def record(fmt: str, rounding, out: dict, fallback: dict, damp: float = DAMP) -> dict:
+    """calibration.json's record of a GPTQ run that quantized `out`."""
+    f = registry.get(fmt)
+    return {
         "name": "gptq",
         "gptq_file": FILE,
         "format": f.name,
@@ -210,7 +225,6 @@ def quantize_model(
         "quantized": len(out),
         "rounded_to_nearest": fallback,
     }
-    return out, record
 
 
 def _to_cpu(q: FP4Tensor) -> FP4Tensor:
@@ -294,6 +308,6 @@ def from_calibration(calib, record: dict) -> Stored | None:
 
 
 __all__ = [
-    "DAMP", "FILE", "HESSIAN_BYTES", "SingularHessian", "Stored", "digest", "from_calibration", "inverse_factor", "quantize_model",
-    "save", "solve",
+    "DAMP", "FILE", "HESSIAN_BYTES", "SingularHessian", "Stored", "digest", "from_calibration", "inverse_factor", "quantize_group",
+    "quantize_model", "record", "save", "solve",
 ]

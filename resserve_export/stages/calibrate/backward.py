@@ -33,6 +33,7 @@ class ScoreSpec:
     rounding: str
     precision: str
     samples: int
+    base_weights: dict | None = None  # {module: FP4Tensor} of ``--weight-algo gptq`` (`Candidates`)
 
 
 class _Injector(torch.nn.Module):
@@ -121,7 +122,7 @@ def _layer_backward(shell: Shell, li: int, sb, inputs, kwargs, grads: list, grou
     for p_ in layer.parameters():
         p_.requires_grad_(False)
     mine = [g for g in groups if g.modules[0].startswith(f"{shell.prefix}.{li}.")]
-    cands = {g.modules: Candidates(model, g, stats, spec.ratios, spec.fmt, ScaleRounding(spec.rounding)) for g in mine}
+    cands = {g.modules: Candidates(model, g, stats, spec.ratios, spec.fmt, ScaleRounding(spec.rounding), spec.base_weights) for g in mine}
     hooks = score_hooks(model, mine, cands, spec.ratios, fast, sums.add)
     try:
         for bi in range(len(sb)):

@@ -61,9 +61,10 @@ def collect_by_layer(model_dir, out, config: CalibConfig, batches, show_progress
                 bar.start_at(n)
                 done[0] = n
 
+            gptq_format = (config.format, config.mx_scale) if config.weight_algo == "gptq" else None
             r = sequential.collect_sequential(
                 model_dir, config.device, config.dtype, batches, groups, spill, progress=step, scores=spec,
-                resume=points, on_resume=resumed,
+                resume=points if gptq_format is None else None, on_resume=resumed, gptq_format=gptq_format,
             )
             stats, num_tokens, kv_stats, kv_problem, scores = r.stats, r.num_tokens, r.kv_stats, r.kv_problem, r.scores
     except UserError:
@@ -81,4 +82,6 @@ def collect_by_layer(model_dir, out, config: CalibConfig, batches, show_progress
     finally:
         shutil.rmtree(spill, ignore_errors=True)
     points.finish()
-    return Collected(stats, num_tokens, kv_stats, kv_problem, groups, scores)
+    if r.gptq is None:
+        return Collected(stats, num_tokens, kv_stats, kv_problem, groups, scores)
+    return Collected(stats, num_tokens, kv_stats, kv_problem, groups, scores, weight_algo=r.gptq_record, gptq=r.gptq)

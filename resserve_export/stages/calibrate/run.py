@@ -106,6 +106,8 @@ def calibrate(
         pipeline = ranks.broadcast(pipeline)  # auto: rank 0's choice (free memory differs by device)
     if resume and pipeline != "sequential":
         raise UserError("--resume continues a layer-by-layer run: pass --pipeline sequential with the interrupted run's settings")
+    if resume and config.weight_algo == "gptq":
+        raise UserError("--resume does not continue a GPTQ calibration (it keeps no resume points): run it again without --resume")
     samples_sha256, versions_ = data.samples_digest(samples), versions()
     if ranks is not None:
         got = _collect_on_ranks(ranks, pipeline, model_dir, out, config, batches, shapes, show_progress and ranks.rank == 0)
@@ -207,10 +209,10 @@ def choose_pipeline(config: CalibConfig, shapes) -> str:
     if config.pipeline == "sequential":
         if config.scores == "kl":
             raise UserError("--pipeline sequential computes --scores grad or none, not kl: use --scores grad, or --pipeline whole")
-        if config.weight_algo != "rtn":
+        if "awq" in config.weight_algo.split("+"):
             raise UserError(f"--weight-algo {config.weight_algo} needs --pipeline whole for now")
         return "sequential"
-    if config.pipeline == "whole" or config.scores == "kl" or config.weight_algo != "rtn":
+    if config.pipeline == "whole" or config.scores == "kl" or "awq" in config.weight_algo.split("+"):
         return "whole"
     # The loaded model's bytes: every tensor in the load dtype.
     bytes_ = sum(math.prod(shape) for _, shape in shapes.values()) * getattr(torch, config.dtype).itemsize

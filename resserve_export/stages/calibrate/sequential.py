@@ -28,13 +28,15 @@ its statistics merged with the other ranks' between the forward and the backward
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from resserve_export.algorithms import gptq
 from resserve_export.algorithms.scores.batches import take
 from resserve_export.modeling.forward import forward_kwargs
+from resserve_export.observers.hessian import HessianCollector
 from resserve_export.observers.kv import KVCollector
 from resserve_export.observers.stats import StatsCollector
 from resserve_export.stages.calibrate.backward import ScoreSpec, grad_scores_backward
@@ -63,14 +65,22 @@ class SequentialResult:
     kv_stats: dict | None  # KV-cache statistics, None without
     kv_problem: str | None  # why there are none
     scores: dict | None  # the grad scores record (`algorithms.scores.scores_record`), None without
+    gptq: dict | None = None  # ``--weight-algo gptq``: {module: FP4Tensor}
+    gptq_record: dict | None = None  # its calibration.json record
 
 
 class _Passes:
     """The state of one `collect_sequential` run: the shell, the collectors and the stored
     hidden states (see `collect_sequential` for the arguments)."""
 
-    def __init__(self, shell: Shell, batches, groups, spill: Path, kv: bool, scores: ScoreSpec | None, score_batches, combine):
+    def __init__(
+        self, shell: Shell, batches, groups, spill: Path, kv: bool, scores: ScoreSpec | None, score_batches, combine, gptq_format=None,
+    ):
         self.shell, self.batches, self.groups, self.scores, self.combine = shell, batches, groups, scores, combine
+        # ``--weight-algo gptq``: (format, MX scale rounding), and what it quantized so far.
+        self.gptq_format = gptq_format
+        self.gptq_out: dict = {}
+        self.gptq_fallback: dict = {}
         model, dev = shell.model, shell.device
         self.kvc = KVCollector(model) if kv else None
         self.col = StatsCollector(model, groups, keep_batches=combine is not None)
@@ -139,16 +149,33 @@ class _Passes:
         """Layer `li`'s pass over every batch with the statistics hooks on, then over the score
         batches with them paused."""
         layer, col = self.shell.layers[li], self.col
-        with torch.inference_mode():
-            for bi, b in enumerate(self.batches):
-                col.set_mask(b["attention_mask"])
-                if self.kvc is not None:
-                    self.kvc.set_mask(b["attention_mask"])
-                out = layer(self.store.get(bi), **self.captured[li][bi])
-                self.store.put(bi, out[0] if isinstance(out, tuple) else out)
-                if progress is not None:
-                    progress(li, bi, len(self.batches))
+        mine = [g for g in self.groups if g.modules[0].startswith(f"{self.shell.prefix}.{li}.")]
+        # GPTQ: this layer's input Hessians, taken in the same pass (one layer's at a time).
+        hc = HessianCollector(self.shell.model, [g.modules[0] for g in mine]) if self.gptq_format is not None else None
+        try:
+            with torch.inference_mode():
+                for bi, b in enumerate(self.batches):
+                    col.set_mask(b["attention_mask"])
+                    if self.kvc is not None:
+                        self.kvc.set_mask(b["attention_mask"])
+                    if hc is not None:
+                        hc.set_mask(b["attention_mask"])
+                    out = layer(self.store.get(bi), **self.captured[li][bi])
+                    self.store.put(bi, out[0] if isinstance(out, tuple) else out)
+                    if hc is not None:
+                        hc.end_batch()
+                    if progress is not None:
+                        progress(li, bi, len(self.batches))
+        finally:
+            if hc is not None:
+                hc.remove()
         col.check_finite()
+        if hc is not None:
+            fmt, rounding = self.gptq_format
+            for g in mine:
+                h, rows = hc.take(g.modules[0])
+                ws = [self.shell.model.get_submodule(m).weight.detach() for m in g.modules]
+                gptq.quantize_group(g, ws, h, rows, fmt, rounding, self.gptq_out, self.gptq_fallback)
         self.captured[li] = []
         if self.sb:
             col.paused = True
@@ -172,20 +199,25 @@ class _Passes:
             kv_stats = kvc.result() if kvc is not None else None
             kv_problem = kvc.problem if kvc is not None else None
         col.remove()
-        return SequentialResult(stats, num_tokens, kv_stats, kv_problem, None)
+        result = SequentialResult(stats, num_tokens, kv_stats, kv_problem, None)
+        if self.gptq_format is not None:
+            fmt, rounding = self.gptq_format
+            result.gptq, result.gptq_record = self.gptq_out, gptq.record(fmt, rounding, self.gptq_out, self.gptq_fallback)
+        return result
 
     def backward(self, result: SequentialResult, progress, resume, at=None, log=None) -> dict:
         """The grad scores record, from the layer passes' statistics `result`."""
         save = None if resume is None else _saver(resume, result, len(self.shell.layers), self.s_inputs)
+        spec = self.scores if result.gptq is None else replace(self.scores, base_weights=result.gptq)
         return grad_scores_backward(
-            self.shell, self.sb, self.s_inputs, self.s_kwargs, self.groups, result.stats, self.scores, progress, at=at, save=save, log=log,
+            self.shell, self.sb, self.s_inputs, self.s_kwargs, self.groups, result.stats, spec, progress, at=at, save=save, log=log,
         )
 
 
 def collect_sequential(
     model_dir: Path, device: str, dtype: str, batches: list[dict], groups, spill: Path, progress=None, kv: bool = True,
     scores: ScoreSpec | None = None, resume=None, on_resume=None, score_batches: list | None = None, combine=None,
-    score_log: dict | None = None,
+    score_log: dict | None = None, gptq_format: tuple[str, str] | None = None,
 ) -> SequentialResult:
     """Statistics of a whole-model `calibrate.collect`, layer by layer, and with `scores` the
     grad scores of `scores.compute_scores` by layer-wise recomputation. `spill`: a directory for
@@ -196,9 +228,13 @@ def collect_sequential(
     told where that is. A data-parallel rank passes its share of `batches` and `score_batches`
     (else the first ``scores.samples`` of `batches`), ``combine(collector, kv collector)`` that
     returns the statistics of all ranks (stats, num_tokens, kv statistics, why none), and
-    `score_log` for its score additions (`scores.grad.ScoreSums`)."""
+    `score_log` for its score additions (`scores.grad.ScoreSums`). `gptq_format`: (format, MX
+    scale rounding) of ``--weight-algo gptq``, whose linears are quantized at the end of their
+    layer's pass from that pass's Hessians (no resume points: the caller passes none)."""
     shell = open_shell(model_dir, device, dtype)
-    run = _Passes(shell, batches, groups, spill, kv, scores, score_batches, combine)
+    if gptq_format is not None and resume is not None:
+        raise ValueError("GPTQ in the sequential pipeline keeps no resume points")
+    run = _Passes(shell, batches, groups, spill, kv, scores, score_batches, combine, gptq_format)
     point = resume.load() if resume is not None else None
     phase, done = (point[0]["phase"], point[0]["layer"]) if point is not None else ("forward", -1)
     n_layers = len(shell.layers)

@@ -134,10 +134,27 @@ def test_pack_refuses_gptq_weights_of_another_format(setup, tmp_path):
     assert_one_line_error(p, 2, "scale rounding even but --mx-scale is ceil")
 
 
+def test_the_sequential_pipeline_gives_the_same_gptq_weights(setup, tmp_path):
+    """Layer by layer (one layer's Hessians at a time, taken in the layer's own pass) GPTQ is the
+    whole-model run's bit for bit, and so are the grad scores of its weights (within the two
+    pipelines' float tolerance)."""
+    _, model, texts, calibs = setup
+    calib = cal.calibrate(str(model), tmp_path / "seq", _config(texts, "gptq", scores="grad", pipeline="sequential"), show_progress=False).path
+    meta = _meta(calib)
+    assert meta["pipeline"] == "sequential" and meta["weight_algo"] == _meta(calibs["gptq"])["weight_algo"]
+    ours, whole = load_file(str(calib / gptq.FILE)), load_file(str(calibs["gptq"] / gptq.FILE))
+    assert ours.keys() == whole.keys() and all(torch.equal(bits(ours[k]), bits(whole[k])) for k in ours)
+    s_seq, s_whole = (json.loads((c / "scores.json").read_text())["groups"] for c in (calib, calibs["gptq"]))
+    for a, b in zip(s_seq, s_whole):
+        for r, v in a["scores"].items():
+            assert v == pytest.approx(b["scores"][r], rel=1e-4, abs=1e-9), (a["modules"], r)
+
+
 @pytest.mark.parametrize(
     "extra,needle",
     [
-        (["--pipeline", "sequential"], "--weight-algo gptq needs --pipeline whole for now"),
+        (["--weight-algo", "awq+gptq", "--pipeline", "sequential"], "--weight-algo awq+gptq needs --pipeline whole for now"),
+        (["--weight-algo", "gptq", "--pipeline", "sequential", "--resume"], "--resume does not continue a GPTQ calibration"),
         (["--weight-algo", "spqr"], "unknown --weight-algo 'spqr': choose one of rtn, awq, gptq, awq+gptq"),
     ],
 )
@@ -145,7 +162,7 @@ def test_what_gptq_does_not_do_is_one_line(setup, extra, needle, tmp_path):
     _, model, texts, _ = setup
     out = tmp_path / "calib"
     args = ["calibrate", str(model), "--out", str(out), "--config", "quick", "--dataset", str(texts), "--device", "cpu", "--scores", "none"]
-    p = run_main(*args, "--weight-algo", "gptq", *extra)
+    p = run_main(*args, *extra)
     assert_one_line_error(p, 2, needle)
     assert leftovers(out) == []
 
