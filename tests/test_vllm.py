@@ -233,6 +233,7 @@ def engine_plan(env) -> dict[str, tuple[str, tuple[Path, "callable"], dict]]:
             stock_fp32=method == "stock" and fmt == "nvfp4")
     # gpt-oss (MXFP4 only): stock vLLM 0.32 cannot load its expert biases, the resserve method can.
     add("gpt_oss-mxfp4-r0.25-resserve", "resserve", (work / "gpt_oss-mxfp4", lambda: vlm_ckpt(env, "gpt_oss", "mxfp4")))
+    add("tiny-qwen3-gptq-nvfp4", "stock", (work / "tiny-qwen3-gptq", lambda: gptq_ckpt(env)), stock_fp32=True)
     add("qwen3_moe-nvfp4-r0.25-resserve-mp", "resserve-mp",
         (work / "qwen3_moe-nvfp4-r0.25", lambda: moe_ckpt(env, "qwen3_moe", "nvfp4", 0.25)), score=[])
     # Last in their batches, and so packed last: the AWQ calibration is the longest step of the
@@ -677,6 +678,56 @@ def tiny_model(env, arch: str) -> Path:
         for f in ("tokenizer.json", "tokenizer_config.json"):
             (path / f).write_bytes((env["md"] / f).read_bytes())
     return path
+
+
+def gptq_ckpt(env) -> Path:
+    """The tiny Qwen3 calibrated with ``--weight-algo gptq`` (NVFP4, 8 × 64 tokens of the plays)
+    and packed plain."""
+    from resserve_export import api
+
+    md = tiny_model(env, "qwen3")
+    calib = env["work"] / "tiny-qwen3-gptq-calib"
+    if not (calib / "calibration.json").exists():
+        api.calibrate(str(md), calib, config="quick", dataset=str(C.texts_dir()), num_samples=8, seq_len=64, batch_size=4, scores="none",
+                      device="cpu", weight_algo="gptq", progress=False)
+    return C.pack(md, calib, env["work"] / "tiny-qwen3-gptq", "nvfp4", 0.0)
+
+
+def checkpoint_reference(md: Path, ckpt_dir: Path):
+    """`md` in float32 with every quantized linear in stock vLLM's NVFP4 emulation arithmetic over
+    the checkpoint's own stored tensors (not a fresh quantization: GPTQ chose them), and the CPU
+    engine's attention."""
+    from reference import VllmArithmeticLinear
+
+    from resserve_export.algorithms.emulate import QuantizedWeight, replace_linear
+    from resserve_export.modeling import modelio
+    from resserve_export.storage.checkpoint import Checkpoint, read_checkpoint
+
+    model = modelio.load_model(md, dtype="float32")
+    rounding = Checkpoint(ckpt_dir).rounding
+    for m, pk in read_checkpoint(ckpt_dir).items():
+        qw = QuantizedWeight.from_stored(pk.fmt, 0.0, rounding, None, pk.base, pk.base.dequantize())
+        replace_linear(model, m, VllmArithmeticLinear.from_weight(model.get_submodule(m), qw, input_alpha=pk.input_scale, mode="plain"))
+    A.use_cpu_engine_attention(model)
+    return model
+
+
+def test_gptq_checkpoint_in_stock_vllm(env):
+    """A GPTQ checkpoint (``calibrate --weight-algo gptq``) is an ordinary ModelOpt NVFP4 one:
+    stock vLLM loads it and generates the greedy tokens, and scores the logprobs, of the reference
+    built from its stored GPTQ tensors; those tensors are the calibration's."""
+    from resserve_export.algorithms import gptq
+    from resserve_export.storage.checkpoint import read_checkpoint
+
+    path, calib = gptq_ckpt(env), env["work"] / "tiny-qwen3-gptq-calib"
+    assert json.loads((path / "config.json").read_text())["quantization_config"]["resserve"]["provenance"]["weight_algo"]["name"] == "gptq"
+    stored = gptq.from_calibration(calib, json.loads((calib / "calibration.json").read_text()))
+    assert all(torch.equal(pk.base.codes, stored.get(m).codes) for m, pk in read_checkpoint(path).items())
+    ref = checkpoint_reference(tiny_model(env, "qwen3"), path)
+    run = engine(env, "tiny-qwen3-gptq-nvfp4")
+    assert run["quantization"] == "modelopt_fp4_admit_fp32"
+    check_tokens(run, [C.greedy(ref, ids) for ids in env["prompts"]], "tiny Qwen3 GPTQ NVFP4, stock vLLM")
+    check_scores(env, run, ref, "tiny Qwen3 GPTQ NVFP4, stock vLLM")
 
 
 def tiny_kv_ckpt(env, arch: str) -> Path:
