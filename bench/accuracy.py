@@ -27,7 +27,14 @@ same model) it first checks that the ``compressed-tensors`` rule here is llm-com
 linear's dequantized weights equal after bf16 rounding; and counts how many codes, block scales
 and tensor scales of that checkpoint equal ours.
 
+GPTQ rows: ``--gptq-calib DIR`` (a ``calibrate --weight-algo gptq`` directory of the same model)
+adds ours, its stored GPTQ weights; ``--checkpoint NAME=DIR`` (repeatable) adds any
+compressed-tensors NVFP4 checkpoint of the same model as written, e.g. llm-compressor's GPTQ from
+``bench/llmcompressor_rtn.py --gptq``. ``--write-ids FILE`` writes the token ids of a calibration
+preset's samples (``--config``), so that llm-compressor calibrates on the very tokens ours did.
+
   .venv/bin/python bench/accuracy.py [--model default] [--samples 16] [--seq-len 256] [--llmcompressor-checkpoint DIR]
+      [--gptq-calib DIR] [--checkpoint NAME=DIR ...] [--write-ids FILE --config quick]
 """
 
 from __future__ import annotations
@@ -118,6 +125,35 @@ def check_llmcompressor(ckpt: Path, groups: list, source: dict) -> None:
           f"tensor scale relative difference {sum(tensor) / n:.5f} mean, {max(tensor):.5f} max\n")
 
 
+def read_compressed(ckpt: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The dequantized FP32 weights of `names` in a compressed-tensors NVFP4 checkpoint."""
+    from safetensors.torch import load_file
+
+    lc: dict = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        lc.update(load_file(f))
+    out = {}
+    for n in names:
+        packed, s, gs = lc[f"{n}.weight_packed"], lc[f"{n}.weight_scale"], lc[f"{n}.weight_global_scale"].float().reshape(())
+        out[n] = nvfp4.dequantize_blocks(packed.reshape(-1, 8), s.reshape(-1), 1 / gs).reshape(packed.shape[0], -1)
+    return out
+
+
+def write_ids(model_dir: Path, config: str, path: Path) -> None:
+    """The token ids (valid tokens only) of calibration preset `config`'s samples, as JSON."""
+    import json
+
+    from resserve_export.stages.calibrate.config import make_config
+
+    cfg = make_config(config)
+    tok = modelio.load_tokenizer(model_dir)
+    samples = data.make_samples(tok, data.load_documents(cfg.dataset), cfg.num_samples, cfg.seq_len, cfg.seed)
+    batches = data.batches(samples, cfg.batch_size, data.pad_id(tok))
+    ids = [row[m.bool()].tolist() for b in batches for row, m in zip(b["input_ids"], b["attention_mask"])]
+    path.write_text(json.dumps(ids))
+    print(f"wrote {len(ids)} calibration samples ({sum(map(len, ids))} tokens) of preset {config} to {path}")
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -131,9 +167,16 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=16, help="held-out sequences (the plays' eval split)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--llmcompressor-checkpoint", type=Path, help="llm-compressor's RTN NVFP4 checkpoint of the same model")
+    ap.add_argument("--gptq-calib", type=Path, help="a calibrate --weight-algo gptq directory of the same model (NVFP4)")
+    ap.add_argument("--checkpoint", action="append", default=[], help="NAME=DIR: a compressed-tensors NVFP4 checkpoint of the same model")
+    ap.add_argument("--write-ids", type=Path, help="write the calibration preset's token ids here and stop")
+    ap.add_argument("--config", default="quick", help="the calibration preset of --write-ids")
     a = ap.parse_args()
 
     md = modelio.resolve_model(a.model)
+    if a.write_ids:
+        write_ids(md, a.config, a.write_ids)
+        return
     model = modelio.load_model(md, dtype="bfloat16")
     tok = modelio.load_tokenizer(md)
     held = data.make_samples(tok, data.load_documents("shakespeare:eval"), a.samples, a.seq_len, 7)
@@ -160,6 +203,21 @@ def main() -> None:
     rows.append(("ours, α as compressed-tensors", run(lambda ws: ours(ws, ct_alpha(ws)))))
     for f in FACTORS:
         rows.append((f"ours, α × {f:.6g}", run(lambda ws, f=f: ours(ws, nvfp4.group_global_scale(ws) * f))))
+    fixed: list[tuple[str, dict]] = []
+    if a.gptq_calib:
+        import json
+
+        from resserve_export.algorithms import gptq
+
+        stored = gptq.from_calibration(a.gptq_calib, json.loads((a.gptq_calib / "calibration.json").read_text()))
+        fixed.append((f"ours, GPTQ ({a.gptq_calib.name})", {n: stored.get(n).dequantize() for n in source}))
+    for spec in a.checkpoint:
+        name, _, path = spec.partition("=")
+        fixed.append((name, read_compressed(Path(path), list(source))))
+    for name, weights in fixed:  # weights as stored, rounded to bf16 like every rule's above
+        for n, w in weights.items():
+            mods[n].weight.data = w.to(torch.bfloat16).float()
+        rows.append((name, perplexity(model, batches)))
 
     diffs = []
     for g in groups:
