@@ -77,6 +77,8 @@ def test_pack_writes_the_calibrations_gptq_tensors(setup, key, tmp_path):
         mask = select_mask(stats[m]["mean_abs"], 0.25)
         ext = extend_weight(q.dequantize(), mask, 0.25, fmt, rounding, alpha=q.global_scale, backend="reference")
         assert torch.equal(pk.mask, mask) and torch.equal(pk.ext.codes, ext.codes) and torch.equal(bits(pk.ext.scales), bits(ext.scales))
+    shown = run_main("inspect", str(out)).stdout
+    assert ("weights: GPTQ" in shown) and (("weights: AWQ-smoothed" in shown) == key.startswith("awq")), shown
     # GPTQ moved codes away from round to nearest (the same α: only the error feedback differs)
     rtn = read_checkpoint(pack(model, calibs["rtn"], tmp_path / "rtn", fmt, ratio=0.0, mx_scale=rounding, progress=False).out)
     m = "model.layers.1.mlp.down_proj"
