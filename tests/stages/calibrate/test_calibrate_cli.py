@@ -177,8 +177,8 @@ def test_smollm2_quick_end_to_end(tmp_path, capsys):
 
 
 def test_unknown_weight_algo(tiny, tmp_path, capsys, texts):
-    assert cli(*base(tiny, tmp_path / "out", texts), "--weight-algo", "gptq") == 2
-    assert "unknown --weight-algo 'gptq': choose one of rtn, awq" in one_line_error(capsys)
+    assert cli(*base(tiny, tmp_path / "out", texts), "--weight-algo", "spqr") == 2
+    assert "unknown --weight-algo 'spqr': choose one of rtn, awq, gptq, awq+gptq" in one_line_error(capsys)
     assert not (tmp_path / "out").exists()
 
 
