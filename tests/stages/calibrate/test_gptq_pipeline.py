@@ -31,6 +31,10 @@ from tests.fixtures.models import make_llama, varied_texts, write_jsonl
 from tests.fixtures.tensors import bits
 
 
+# One worker builds the module's model and calibrations (the MoE tests join the "moe" group instead).
+GPTQ = pytest.mark.xdist_group("gptq")
+
+
 def _config(texts, algo: str, **kw):
     kw = {"scores": "none", **kw}
     return make_config("quick", dataset=str(texts), num_samples=8, seq_len=64, batch_size=4, device="cpu", weight_algo=algo, awq_tokens=128, **kw)
@@ -54,6 +58,7 @@ def _meta(calib) -> dict:
     return json.loads((calib / "calibration.json").read_text())
 
 
+@GPTQ
 @pytest.mark.parametrize("key", ["gptq", "awq+gptq", "gptq-mx"])
 def test_pack_writes_the_calibrations_gptq_tensors(setup, key, tmp_path):
     """Every quantized linear's codes, block scales and tensor scale are the calibration's GPTQ
@@ -86,6 +91,7 @@ def test_pack_writes_the_calibrations_gptq_tensors(setup, key, tmp_path):
         assert not torch.equal(rtn[m].base.codes, ck[m].base.codes)
 
 
+@GPTQ
 def test_gptq_lowers_the_output_error_on_the_calibration_text(setup):
     """verify on the calibration's own text: plain W4A4 linear-output NMSE and perplexity of the
     GPTQ checkpoint below the round-to-nearest one's; the stored weights check out."""
@@ -99,6 +105,7 @@ def test_gptq_lowers_the_output_error_on_the_calibration_text(setup):
     assert plain["gptq"] < 0.97 * plain["rtn"], plain
 
 
+@GPTQ
 def test_grad_scores_are_those_of_the_gptq_weights(setup):
     """The planner's scores rate what pack will write: with GPTQ's base weights the damage of
     plain W4A4 summed over the groups is below round to nearest's, and every score is another."""
@@ -109,6 +116,7 @@ def test_grad_scores_are_those_of_the_gptq_weights(setup):
     assert all(a["scores"]["0"] != b["scores"]["0"] for a, b in zip(s["rtn"]["groups"], s["gptq"]["groups"]))
 
 
+@GPTQ
 def test_verify_needs_the_calibration_the_checkpoint_was_packed_with(setup, tmp_path):
     root, model, texts, calibs = setup
     out = pack(model, calibs["gptq"], tmp_path / "ck", "nvfp4", ratio=0.125, progress=False).out
@@ -127,6 +135,7 @@ def test_verify_needs_the_calibration_the_checkpoint_was_packed_with(setup, tmp_
         verify(out, str(model), calib=other, **kw)
 
 
+@GPTQ
 def test_pack_refuses_gptq_weights_of_another_format(setup, tmp_path):
     _, model, _, calibs = setup
     p = run_main("pack", str(model), "--calib", str(calibs["gptq"]), "--format", "mxfp4", "--ratio", "0", "--out", str(tmp_path / "ck"))
@@ -136,6 +145,7 @@ def test_pack_refuses_gptq_weights_of_another_format(setup, tmp_path):
     assert_one_line_error(p, 2, "scale rounding even but --mx-scale is ceil")
 
 
+@GPTQ
 def test_the_sequential_pipeline_gives_the_same_gptq_weights(setup, tmp_path):
     """Layer by layer (one layer's Hessians at a time, taken in the layer's own pass) GPTQ is the
     whole-model run's bit for bit, and so are the grad scores of its weights (within the two
@@ -152,6 +162,7 @@ def test_the_sequential_pipeline_gives_the_same_gptq_weights(setup, tmp_path):
             assert v == pytest.approx(b["scores"][r], rel=1e-4, abs=1e-9), (a["modules"], r)
 
 
+@GPTQ
 @pytest.mark.parametrize(
     "extra,needle",
     [
@@ -169,6 +180,7 @@ def test_what_gptq_does_not_do_is_one_line(setup, extra, needle, tmp_path):
     assert leftovers(out) == []
 
 
+@GPTQ
 def test_a_singular_hessian_is_one_line(setup, monkeypatch, tmp_path):
     """A Hessian that no damping makes positive definite stops calibrate with the linear's name."""
     _, model, texts, _ = setup
