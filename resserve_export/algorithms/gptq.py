@@ -28,7 +28,6 @@ token was routed to has no Hessian and is rounded to nearest, as calibration.jso
 
 from __future__ import annotations
 
-import hashlib
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -251,14 +250,6 @@ def save(weights: dict[str, FP4Tensor], path) -> None:
     save_file(tensors, str(path), metadata={"resserve_gptq": "1", "format": fmt})
 
 
-def digest(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 class Stored:
     """A calibration's GPTQ tensors, read one linear at a time (`get`)."""
 
@@ -308,6 +299,6 @@ def from_calibration(calib, record: dict) -> Stored | None:
 
 
 __all__ = [
-    "DAMP", "FILE", "HESSIAN_BYTES", "SingularHessian", "Stored", "digest", "from_calibration", "inverse_factor", "quantize_group",
+    "DAMP", "FILE", "HESSIAN_BYTES", "SingularHessian", "Stored", "from_calibration", "inverse_factor", "quantize_group",
     "quantize_model", "record", "save", "solve",
 ]

@@ -170,7 +170,7 @@ def _provenance(inputs: PackInputs, calib: Path, ratio: float | None) -> dict:
     if inputs.gptq is not None:
         algo = provenance.setdefault("weight_algo", {})
         algo["name"] = inputs.calibration["weight_algo"]["name"]
-        algo["gptq_sha256"] = gptq.digest(inputs.gptq.path)
+        algo["gptq_sha256"] = file_digest(inputs.gptq.path)
     return provenance
 
 

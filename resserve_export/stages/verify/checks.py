@@ -247,7 +247,7 @@ def checkpoint_gptq(ck: Checkpoint, calib: Path | None) -> gptq.Stored | None:
         return None
     if calib is None:
         raise UserError(f"{ck.dir} holds GPTQ-quantized weights: pass --calib with the calibration it was packed with, whose GPTQ weights verify checks")
-    if stored is None or gptq.digest(stored.path) != algo["gptq_sha256"]:
+    if stored is None or file_digest(stored.path) != algo["gptq_sha256"]:
         raise CheckpointMismatch(f"{ck.dir} was packed with other GPTQ weights than those in {calib}: pass the --calib it was packed with")
     return stored
 
