@@ -158,7 +158,7 @@ def calibration(model_dir: Path, calib: Path) -> None:
             t[f"{m}.mean_abs"] = mean_abs.clone()
             t[f"{m}.amax"] = (mean_abs.max() * 10).reshape(())
     save_file(t, str(calib / "salience.safetensors"))
-    meta = {"model": model_dir.name, "fingerprint": fp, "fingerprint_method": modelio.FINGERPRINT_METHOD, "dataset": "random", "num_samples": 0, "num_tokens": 0,
+    meta = {"model": model_dir.name, "fingerprint": fp, "fingerprint_method": modelio.FINGERPRINT_METHOD, "architecture": modelio.architecture_key(model_dir), "dataset": "random", "num_samples": 0, "num_tokens": 0,
             "seq_len": 0, "batch_size": 0, "seed": 1, "versions": {}, "wall_time_s": 0, "groups": [list(x.modules) for x in groups]}
     (calib / "calibration.json").write_text(json.dumps(meta))
 

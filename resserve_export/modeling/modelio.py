@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -246,11 +247,16 @@ ALLOW_OTHER_WEIGHTS = "--allow-other-weights"
 _HASH_CHUNK = 16 << 20
 
 
-def _file_digests(path: Path) -> dict[str, list]:
+class Stopped(Exception):
+    """A background fingerprint was stopped before it finished (`FingerprintJob.stop`)."""
+
+
+def _file_digests(path: Path, stop: threading.Event | None = None) -> dict[str, list]:
     """{tensor: [dtype, shape, sha256 of its bytes]} of one safetensors file.
 
     Tensors are hashed on a thread pool (hashlib releases the GIL) from positioned reads of
     16 MiB: no memory map, so hashing a shard adds nothing to the process's resident memory.
+    A set `stop` ends the work at the next read (`Stopped`).
     """
 
     def corrupted(why: str) -> UserError:
@@ -276,6 +282,8 @@ def _file_digests(path: Path) -> dict[str, list]:
             name, (dtype, shape, a, b) = item
             h = hashlib.sha256()
             for pos in range(8 + n + a, 8 + n + b, _HASH_CHUNK):
+                if stop is not None and stop.is_set():
+                    raise Stopped
                 h.update(os.pread(fd, min(_HASH_CHUNK, 8 + n + b - pos), pos))
             return name, [dtype, shape, h.hexdigest()]
 
@@ -289,31 +297,57 @@ def _stat_key(path: Path) -> str:
     return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}"
 
 
-def fingerprint(model_dir: Path) -> str:
+def _read_cache(cache_path: Path) -> dict:
+    try:
+        cache = json.loads(cache_path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def _shard_keys(model_dir: Path) -> list[tuple[Path, str]]:
+    out = []
+    for f in weight_files(Path(model_dir)):
+        try:
+            out.append((f, _stat_key(f)))
+        except OSError as e:
+            raise UserError(f"cannot read {f}: {e.strerror}; the model directory is incomplete") from None
+    return out
+
+
+def _combine(tensors: dict[str, list]) -> str:
+    items = [[name, *tensors[name]] for name in sorted(tensors)]
+    return hashlib.sha256(json.dumps([FINGERPRINT_METHOD, items]).encode()).hexdigest()
+
+
+def cached_fingerprint(model_dir: Path) -> str | None:
+    """`fingerprint` when every shard's digests are in the cache (no hashing), else None."""
+    cache = _read_cache(cache_dir() / _FINGERPRINT_CACHE)
+    tensors: dict[str, list] = {}
+    for _, key in _shard_keys(model_dir):
+        if key not in cache:
+            return None
+        tensors.update(cache[key])
+    return _combine(tensors)
+
+
+def fingerprint(model_dir: Path, stop: threading.Event | None = None) -> str:
     """sha256 over every weight tensor's name, dtype, shape and the sha256 of all its bytes.
 
     Any change to any tensor's contents changes it (a fine-tune of the same base, or another
     model of the same architecture, is told apart). Each shard's per-tensor digests are cached
     in the user cache under the file's identity (path, size, modification and change times,
-    inode), so calibrate, plan, pack and verify of the same files hash them once.
+    inode), so calibrate, plan, pack and verify of the same files hash them once. A set `stop`
+    ends the hashing early (`Stopped`).
     """
     cache_path = cache_dir() / _FINGERPRINT_CACHE
-    try:
-        cache = json.loads(cache_path.read_text())
-        if not isinstance(cache, dict):
-            cache = {}
-    except (OSError, ValueError):
-        cache = {}
+    cache = _read_cache(cache_path)
     tensors: dict[str, list] = {}
     dirty = False
-    for f in weight_files(Path(model_dir)):
-        try:
-            key = _stat_key(f)
-        except OSError as e:
-            raise UserError(f"cannot read {f}: {e.strerror}; the model directory is incomplete") from None
+    for f, key in _shard_keys(model_dir):
         entry = cache.get(key)
         if entry is None:
-            entry = cache[key] = _file_digests(f)
+            entry = cache[key] = _file_digests(f, stop)
             dirty = True
         tensors.update(entry)
     if dirty:
@@ -325,22 +359,84 @@ def fingerprint(model_dir: Path) -> str:
             os.replace(tmp, cache_path)
         except OSError:
             pass  # a cache that cannot be written only costs time
-    items = [[name, *tensors[name]] for name in sorted(tensors)]
-    return hashlib.sha256(json.dumps([FINGERPRINT_METHOD, items]).encode()).hexdigest()
+    return _combine(tensors)
 
 
-def check_fingerprint(record: dict, model_fingerprint: str, what: str) -> None:
-    """Refuse a calibration or plan `record` made from other weights than the model's."""
+class FingerprintJob:
+    """`fingerprint` of a model computed on a background thread, so that `pack` hashes the
+    source while it quantizes it instead of before. `result` waits for it (and raises what the
+    hashing raised); `stop` ends it early, e.g. when the work it overlapped failed."""
+
+    def __init__(self, model_dir: Path):
+        self._stop = threading.Event()
+        self._value: str | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(Path(model_dir),), name="fingerprint", daemon=True)
+        self._thread.start()
+
+    def _run(self, model_dir: Path) -> None:
+        try:
+            self._value = fingerprint(model_dir, self._stop)
+        except BaseException as e:  # raised to the caller by result()
+            self._error = e
+
+    def result(self) -> str:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def check_fingerprint_method(record: dict, what: str) -> None:
+    """Refuse a calibration or plan `record` whose fingerprint is not of this tool's kind (the
+    part of `check_fingerprint` that needs no hashing)."""
     if record.get("fingerprint_method") != FINGERPRINT_METHOD:
         raise UserError(
             f"{what} was made by an older resserve-export that did not fingerprint weight contents: "
             f"re-run it, or pass {ALLOW_OTHER_WEIGHTS} to use it anyway"
         )
+
+
+def check_fingerprint(record: dict, model_fingerprint: str, what: str) -> None:
+    """Refuse a calibration or plan `record` made from other weights than the model's."""
+    check_fingerprint_method(record, what)
     if record.get("fingerprint") != model_fingerprint:
         raise UserError(
             f"{what} was made from other weights than this model's (fingerprint {str(record.get('fingerprint'))[:12]}…, "
             f"model {model_fingerprint[:12]}…): re-run it on this model, or pass {ALLOW_OTHER_WEIGHTS} to use it anyway"
         )
+
+
+def _exports(transformers, name: str) -> bool:
+    """Whether transformers exports the class `name`, from its lazy module's table when it has
+    one: ``hasattr`` imports the class's modeling module (seconds, and `pack` never builds it)."""
+    table = getattr(transformers, "_class_to_module", None)
+    if isinstance(table, dict):
+        return name in table
+    return hasattr(transformers, name)
+
+
+def architecture_key(model_dir: Path) -> dict:
+    """What `check_architecture` decides on: the config's architectures and model type, and the
+    installed transformers' version (read without importing it). `calibrate` records it, so
+    that `pack` of the same config under the same transformers need not import transformers
+    (seconds: it indexes every model module) to check again."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    try:
+        tf = version("transformers")
+    except PackageNotFoundError:
+        tf = None
+    return {"architectures": cfg.get("architectures"), "model_type": cfg.get("model_type"), "transformers": tf}
 
 
 def check_architecture(model_dir: Path, command: str) -> str:
@@ -359,8 +455,8 @@ def check_architecture(model_dir: Path, command: str) -> str:
 
     known_type = model_type in CONFIG_MAPPING_NAMES
     causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    wrapper = families.check_loadable(cfg, arch) and hasattr(transformers, arch)
-    if not known_type or (arch is not None and not wrapper and not (arch in causal and hasattr(transformers, arch))):
+    wrapper = families.check_loadable(cfg, arch) and _exports(transformers, arch)
+    if not known_type or (arch is not None and not wrapper and not (arch in causal and _exports(transformers, arch))):
         what = f"architecture {arch!r}" if arch else "no architecture"
         raise UserError(
             f"{path} names {what} (model_type {model_type!r}), which transformers {transformers.__version__} "

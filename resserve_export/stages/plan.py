@@ -350,11 +350,12 @@ def chart(plan: dict, fileobj) -> None:
     plt.close(fig)
 
 
-def load_plan(path: Path, *, fingerprint: str | None = None, modules: list[str] | None = None) -> dict:
+def load_plan(path: Path, *, fingerprint: str | None = None, modules: list[str] | None = None, check_weights=None) -> dict:
     """Read and validate a plan.json (for `pack`).
 
     fingerprint: the model's `modelio.fingerprint`; a plan made from other weights is an error
-    (None skips the check, as ``--allow-other-weights`` does).
+    (None skips the check, as ``--allow-other-weights`` does). check_weights: instead, a
+    function given the plan's record that makes that check (at once or later).
     modules: the model's quantized linears; every one must get exactly one ratio from the plan.
     """
     path = Path(path)
@@ -365,6 +366,8 @@ def load_plan(path: Path, *, fingerprint: str | None = None, modules: list[str] 
         from resserve_export.modeling.modelio import check_fingerprint
 
         check_fingerprint(plan, fingerprint, f"plan {path}")
+    if check_weights is not None:
+        check_weights(plan)
     groups = plan.get("groups")
     if not isinstance(groups, list) or not groups:
         raise UserError(f"{path} has no groups: regenerate it with `resserve-export plan`")

@@ -87,6 +87,39 @@ def test_pack_refuses_a_calibration_of_other_weights(model, tmp_path):
     assert json.loads((out / "config.json").read_text())["quantization_config"]["resserve"]["provenance"]["model_fingerprint"] == modelio.fingerprint(other)
 
 
+def test_pack_hashes_an_uncached_model_while_it_packs(model, tmp_path, monkeypatch):
+    """With no cached digests, pack hashes the weights on a background thread while it quantizes
+    and checks the calibration and plan before the rename: the same checkpoint as with the
+    fingerprint known up front, and a calibration or plan of other weights refused in one line
+    with nothing left behind."""
+    calib = make_calibration(model, tmp_path / "calib")
+    known = pack(model, calib, tmp_path / "known", "nvfp4", ratio=0.25, progress=False).out
+    other = perturbed(model, tmp_path / "finetune", "model.layers.1.mlp.down_proj.weight")
+    for i, (src, expect_ok) in enumerate([(model, True), (other, False)]):
+        monkeypatch.setenv("RESSERVE_CACHE", str(tmp_path / f"cold{i}"))
+        assert modelio.cached_fingerprint(src) is None
+        out = tmp_path / f"ck{i}"
+        if expect_ok:
+            pack(src, calib, out, "nvfp4", ratio=0.25, progress=False)
+            assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in known.iterdir())
+            for f in known.iterdir():
+                assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+            assert modelio.cached_fingerprint(src) == modelio.fingerprint(model)  # the background job filled the cache
+        else:
+            with pytest.raises(UserError, match="calibration in .* other weights"):
+                pack(src, calib, out, "nvfp4", ratio=0.25, progress=False)
+            assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(f".{out.name}")]
+    # A plan of other weights, the calibration of these: refused before the rename as well.
+    plan = tmp_path / "plan.json"
+    make_scores(model, calib)
+    assert run_main("plan", "--calib", str(calib), "--budget", "5", "--out", str(plan)).returncode == 0
+    plan.write_text(json.dumps({**json.loads(plan.read_text()), "fingerprint": "e" * 64}))
+    monkeypatch.setenv("RESSERVE_CACHE", str(tmp_path / "cold-plan"))
+    with pytest.raises(UserError, match="plan .* other weights"):
+        pack(model, calib, tmp_path / "ck-plan", "nvfp4", plan=plan, progress=False)
+    assert not (tmp_path / "ck-plan").exists()
+
+
 def test_calibration_of_an_older_version_is_refused(model, tmp_path):
     calib = make_calibration(model, tmp_path / "calib")
     meta = json.loads((calib / "calibration.json").read_text())

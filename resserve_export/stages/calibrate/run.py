@@ -126,6 +126,7 @@ def calibrate(
         "model_dir": str(model_dir),
         "fingerprint": fingerprint,
         "fingerprint_method": modelio.FINGERPRINT_METHOD,
+        "architecture": modelio.architecture_key(model_dir),
         "dataset": config.dataset,
         "num_samples": len(samples),
         "num_tokens": got.num_tokens,

@@ -37,7 +37,64 @@ DEPTH_ENV = "RESSERVE_PACK_DEPTH"
 _DEPTH = 2
 
 
-def read_calibration(calib: Path, model_fingerprint: str, allow_other_weights: bool = False) -> dict:
+class ModelFingerprint:
+    """The fingerprint of the model being packed (`modelio.fingerprint`): known at once when
+    every shard's digests are cached, else hashed on a background thread while `pack` works
+    (`modelio.FingerprintJob`). `check` refuses a record made from other weights: at once, or
+    when `value` is first asked for, which `pack` does before anything is renamed into place."""
+
+    def __init__(self, model_dir: Path):
+        self._value = modelio.cached_fingerprint(model_dir)
+        self._job = None if self._value is not None else modelio.FingerprintJob(model_dir)
+        self._deferred: dict[str, dict] = {}  # what -> record, in the order checked
+
+    def check(self, record: dict, what: str) -> None:
+        if self._value is not None:
+            modelio.check_fingerprint(record, self._value, what)
+            return
+        modelio.check_fingerprint_method(record, what)
+        self._deferred.setdefault(what, record)
+
+    def value(self) -> str:
+        """The fingerprint (waiting for the hashing), after the deferred checks."""
+        if self._job is not None:
+            self._value = self._job.result()
+            self._job = None
+            deferred, self._deferred = self._deferred, {}
+            for what, record in deferred.items():
+                modelio.check_fingerprint(record, self._value, what)
+        assert self._value is not None
+        return self._value
+
+    def settle(self) -> None:
+        """Run the deferred checks (waiting for the hashing) if any are pending."""
+        if self._job is not None and self._deferred:
+            self.value()
+
+    def stop(self) -> None:
+        """End a background hashing that is no longer needed (the pack failed)."""
+        if self._job is not None:
+            self._job.stop()
+
+
+def _check_weights(record: dict, model_fingerprint: str | ModelFingerprint, what: str) -> None:
+    if isinstance(model_fingerprint, ModelFingerprint):
+        model_fingerprint.check(record, what)
+    else:
+        modelio.check_fingerprint(record, model_fingerprint, what)
+
+
+def _recorded_architecture(calib: Path) -> dict | None:
+    """The `modelio.architecture_key` calibrate recorded in `calib` (None if none can be read;
+    `read_calibration` reports what is wrong with the file)."""
+    try:
+        meta = json.loads((Path(calib) / "calibration.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return meta.get("architecture") if isinstance(meta, dict) else None
+
+
+def read_calibration(calib: Path, model_fingerprint: str | ModelFingerprint, allow_other_weights: bool = False) -> dict:
     """calibration.json of `calib`, made from these exact weights (content fingerprint) unless
     `allow_other_weights`."""
     calib = Path(calib)
@@ -51,12 +108,12 @@ def read_calibration(calib: Path, model_fingerprint: str, allow_other_weights: b
     if not isinstance(meta, dict):
         raise UserError(f"{meta_path} does not hold a calibration record: re-run calibrate")
     if not allow_other_weights:
-        modelio.check_fingerprint(meta, model_fingerprint, f"calibration in {calib}")
+        _check_weights(meta, model_fingerprint, f"calibration in {calib}")
     return meta
 
 
 def load_calibration(
-    calib: Path, model_fingerprint: str, groups: list[Group], allow_other_weights: bool = False
+    calib: Path, model_fingerprint: str | ModelFingerprint, groups: list[Group], allow_other_weights: bool = False
 ) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """(calibration.json, {module: (mean_abs, amax)}) checked against the model.
 
@@ -102,7 +159,7 @@ def load_ratios(
     groups: list[Group],
     ratio: float | None,
     plan: Path | None,
-    model_fingerprint: str | None,
+    model_fingerprint: str | ModelFingerprint | None,
     fmt: str | None = None,
     rounding: str | None = None,
     allow_other_weights: bool = False,
@@ -117,8 +174,11 @@ def load_ratios(
     if plan is None:
         r = check_ratio_arg(ratio)
         return {g.name: r for g in groups}, None
-    fp = None if allow_other_weights else model_fingerprint
-    data = load_plan(Path(plan), fingerprint=fp, modules=[m for g in groups for m in g.modules])
+    check = None
+    if model_fingerprint is not None and not allow_other_weights:
+        def check(record: dict) -> None:
+            _check_weights(record, model_fingerprint, f"plan {plan}")
+    data = load_plan(Path(plan), modules=[m for g in groups for m in g.modules], check_weights=check)
     if fmt is not None:
         check_plan_format(data, Path(plan), fmt, rounding)
     per_module = module_ratios(data)
@@ -227,7 +287,7 @@ class PackInputs:
     config: dict  # config.json
     shapes: dict[str, tuple[str, tuple[int, ...]]]
     blocks: list[ExpertBlock]  # mixture-of-experts blocks (refused when they cannot be packed)
-    fingerprint: str
+    fingerprint: ModelFingerprint
     groups: list[Group]
     calibration: dict  # calibration.json
     stats: dict[str, tuple[torch.Tensor, torch.Tensor]]  # {module: (mean_abs, amax)}
@@ -243,7 +303,25 @@ def read_inputs(
     """The bf16 / fp16 model `model` (a directory or a hub name), its calibration `calib` and the
     ratios of ``--ratio`` or ``--plan``, or a one-line `UserError`."""
     model_dir = modelio.resolve_model(model)
-    modelio.check_architecture(model_dir, "pack")
+    fingerprint = ModelFingerprint(model_dir)  # hashing (if not cached) starts now, in the background
+    try:
+        return _read_inputs(model_dir, fingerprint, calib, fmt, rounding, ratio, plan, allow_other_weights)
+    except BaseException as e:
+        try:
+            if isinstance(e, UserError):
+                # A calibration or plan of other weights is the likelier cause of what went
+                # wrong: say so, as when the fingerprint was known up front.
+                fingerprint.settle()
+        finally:
+            fingerprint.stop()
+        raise
+
+
+def _read_inputs(
+    model_dir: Path, fingerprint: ModelFingerprint, calib: Path, fmt: str, rounding: str, ratio: float | None, plan: Path | None, allow_other_weights: bool
+) -> PackInputs:
+    if _recorded_architecture(calib) != modelio.architecture_key(model_dir):
+        modelio.check_architecture(model_dir, "pack")  # else calibrate checked this config already
     source = modelio.source_files(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     if cfg.get("quantization_config"):
@@ -251,7 +329,6 @@ def read_inputs(
     shapes = source.shapes()
     blocks = expert_blocks(shapes, "packed")
     families.check_format(cfg, fmt, "packed")
-    fingerprint = modelio.fingerprint(model_dir)
     # The quantized linears and their fused groups are the ones calibrate found on the loaded
     # model (one rule), not re-derived from the headers.
     recorded = read_calibration(calib, fingerprint, allow_other_weights).get("groups")
@@ -273,5 +350,5 @@ def read_inputs(
 __all__ = [
     "DEPTH_ENV", "read_calibration", "load_calibration", "check_format_arg", "check_ratio_arg", "load_ratios",
     "check_plan_format", "check_awq_format", "check_gptq_format", "kv_tensors", "pipeline_depth", "PackArgs", "check_args",
-    "PackInputs", "read_inputs",
+    "PackInputs", "read_inputs", "ModelFingerprint",
 ]

@@ -102,49 +102,56 @@ def pack(
     check_out_dir(out, overwrite)
     calib = Path(calib)
     inputs = read_inputs(model, calib, fmt, args.rounding.value, ratio, Path(plan) if plan is not None else None, allow_other_weights)
-    # Drop lm_head only when the config says explicitly that it is tied: an extra copy costs
-    # bytes, a missing one breaks the model.
-    tied = inputs.config.get("tie_word_embeddings") is True
-    layout = build_layout(inputs.shapes, inputs.groups, inputs.ratios, fmt, tied, kv_cache, families.writes_fused_experts(inputs.config))
-    kv = kv_tensors(calib, inputs.shapes, args.format, kv_cache)
-    model_shards, side_shards = layout.shards(args.max_bytes)
-
-    need = file_bytes(model_shards) + file_bytes(side_shards)
-    check_writable(out, need_bytes=need)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create {out.parent}: {e.strerror or e}; choose another --out") from None
+        # Drop lm_head only when the config says explicitly that it is tied: an extra copy costs
+        # bytes, a missing one breaks the model.
+        tied = inputs.config.get("tie_word_embeddings") is True
+        layout = build_layout(inputs.shapes, inputs.groups, inputs.ratios, fmt, tied, kv_cache, families.writes_fused_experts(inputs.config))
+        kv = kv_tensors(calib, inputs.shapes, args.format, kv_cache)
+        model_shards, side_shards = layout.shards(args.max_bytes)
 
-    # Routers stay in bf16: named so that no loader quantizes them.
-    ignore = ["lm_head", *routers(inputs.shapes, inputs.blocks), *exact_linears(inputs.shapes)]
-    qc = args.format.quantization_config(ignore, __version__, kv_cache)
-    qc["resserve"] = resserve_section(fmt, args.rounding.value, layout.groups, _provenance(inputs, calib, ratio if plan is None else None), kv_cache)
-    new_cfg = dict(inputs.config)
-    new_cfg["quantization_config"] = qc
-
-    def write(tmp: Path) -> None:
-        mw = ShardedWriter(tmp, MODEL_PREFIX, model_shards)
-        sw = ShardedWriter(tmp, SIDECAR_PREFIX, side_shards)
+        need = file_bytes(model_shards) + file_bytes(side_shards)
+        check_writable(out, need_bytes=need)
         try:
-            smoothed = SmoothedSource(inputs.source, inputs.smoothing, inputs.gptq)
-            stream(layout, smoothed, inputs.stats, inputs.ratios, fmt, args.rounding, args.device, mw, sw, progress, kv, args.depth)
-            mw.close()
-            sw.close()
-        except BaseException:
-            mw.abort()
-            sw.abort()
-            raise
-        # write_dir_atomic fsyncs every file of tmp before the rename.
-        (tmp / MODEL_INDEX).write_text(dump_json(mw.index()))
-        if side_shards:
-            (tmp / SIDECAR_INDEX).write_text(dump_json(sw.index()))
-        _copy_files(inputs.model_dir, tmp)
-        for name, obj in args.format.extra_files(ignore, __version__, kv_cache).items():
-            (tmp / name).write_text(dump_json(obj))
-        (tmp / "config.json").write_text(dump_json(new_cfg))
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"cannot create {out.parent}: {e.strerror or e}; choose another --out") from None
 
-    _write_atomic(out, write, overwrite, args, need)
+        # Routers stay in bf16: named so that no loader quantizes them.
+        ignore = ["lm_head", *routers(inputs.shapes, inputs.blocks), *exact_linears(inputs.shapes)]
+
+        def config() -> dict:
+            """config.json of the checkpoint: its provenance names the weights' fingerprint, which
+            (when not cached) was hashed while the stream ran and is checked against the
+            calibration and plan here, before anything is renamed into place."""
+            qc = args.format.quantization_config(ignore, __version__, kv_cache)
+            qc["resserve"] = resserve_section(fmt, args.rounding.value, layout.groups, _provenance(inputs, calib, ratio if plan is None else None), kv_cache)
+            return {**inputs.config, "quantization_config": qc}
+
+        def write(tmp: Path) -> None:
+            mw = ShardedWriter(tmp, MODEL_PREFIX, model_shards)
+            sw = ShardedWriter(tmp, SIDECAR_PREFIX, side_shards)
+            try:
+                smoothed = SmoothedSource(inputs.source, inputs.smoothing, inputs.gptq)
+                stream(layout, smoothed, inputs.stats, inputs.ratios, fmt, args.rounding, args.device, mw, sw, progress, kv, args.depth)
+                mw.close()
+                sw.close()
+            except BaseException:
+                mw.abort()
+                sw.abort()
+                raise
+            # write_dir_atomic fsyncs every file of tmp before the rename.
+            (tmp / MODEL_INDEX).write_text(dump_json(mw.index()))
+            if side_shards:
+                (tmp / SIDECAR_INDEX).write_text(dump_json(sw.index()))
+            _copy_files(inputs.model_dir, tmp)
+            for name, obj in args.format.extra_files(ignore, __version__, kv_cache).items():
+                (tmp / name).write_text(dump_json(obj))
+            (tmp / "config.json").write_text(dump_json(config()))
+
+        _write_atomic(out, write, overwrite, args, need)
+    finally:
+        inputs.fingerprint.stop()  # a hashing still running (the pack failed) ends here
     written = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     return PackResult(out, len(model_shards), len(side_shards), written, time.perf_counter() - t0, len(inputs.groups))
 
@@ -153,7 +160,7 @@ def _provenance(inputs: PackInputs, calib: Path, ratio: float | None) -> dict:
     """What the checkpoint was made from (``quantization_config.resserve.provenance``)."""
     provenance = {
         "producer": {"name": "resserve-export", "version": __version__},
-        "model_fingerprint": inputs.fingerprint,
+        "model_fingerprint": inputs.fingerprint.value(),
         "fingerprint_method": modelio.FINGERPRINT_METHOD,
         "source_dtype": source_dtype(inputs.shapes, [m for g in inputs.groups for m in g.modules], inputs.model_dir),
         "calibration": {k: inputs.calibration.get(k) for k in ("model", "dataset", "num_samples", "num_tokens", "seq_len", "seed")},

@@ -243,3 +243,30 @@ def test_cuda_pack_is_byte_identical_to_cpu(tiny, tmp_path, fmt, ratio):
     assert names == sorted(p.name for p in b.iterdir())
     for n in names:
         assert (a / n).read_bytes() == (b / n).read_bytes(), n
+
+
+def test_pack_of_a_calibrated_config_does_not_import_transformers(tiny, tmp_path):
+    """calibrate records the architecture check it made (config's architectures and model type,
+    transformers' version); pack of the same config trusts it and never imports transformers
+    (whose import indexes every model module: seconds of a GPU pack), and checks again itself
+    when the record differs (the unknown-architecture refusal is tested in test_exit_codes)."""
+    import subprocess
+    import sys
+
+    model, calib = tiny
+    rec = json.loads((calib / "calibration.json").read_text())
+    mine = tmp_path / "calib"
+    mine.mkdir()
+    for f in calib.iterdir():
+        (mine / f.name).write_bytes(f.read_bytes())
+    code = (
+        "import json, sys; from pathlib import Path\n"
+        "from resserve_export.stages.pack.run import pack\n"
+        "pack(sys.argv[1], sys.argv[2], sys.argv[3], 'nvfp4', ratio=0.25, progress=False)\n"
+        "print(json.dumps('transformers' in sys.modules))\n"
+    )
+    for i, key in enumerate([modelio.architecture_key(model), {**modelio.architecture_key(model), "transformers": "0.0"}]):
+        (mine / "calibration.json").write_text(json.dumps({**rec, "architecture": key}))
+        p = subprocess.run([sys.executable, "-c", code, str(model), str(mine), str(tmp_path / f"ck{i}")], capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert json.loads(p.stdout.strip().splitlines()[-1]) is (i == 1), p.stdout
