@@ -1067,6 +1067,81 @@ def test_gpt_oss_serves_with_the_resserve_method(env):
     assert float((lp - lp0).abs().max()) > 10 * LOGPROB_ATOL
 
 
+# Stock vLLM's one FP4 path that makes expert bias parameters: the hub's MXFP4 gpt-oss format
+# (quant_method mxfp4, vLLM's GptOssMxfp4Config). It serves every linear unquantized, so the
+# attention stays bf16 (as on the hub), and its experts as W4A16.
+@pytest.fixture(scope="module")
+def gpt_oss_hub(tmp_path_factory) -> dict:
+    """Our gpt-oss MXFP4 experts (packed at ρ = 0) rearranged into the hub's layout
+    (`hub_mxfp4_experts`) beside the source's other tensors as they are (attention in bf16, sinks,
+    router, expert biases, norms, embeddings), the hub's quantization_config; loaded by
+    load_check.py in stock vLLM twice: as it is, and with the MoE kernel choice set aside."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from resserve_export.modeling.families.gpt_oss import HUB_MXFP4_CONFIG, hub_mxfp4_experts
+
+    work = tmp_path_factory.mktemp("gpt_oss_hub")
+    md, calib = family_model({"work": work}, "gpt_oss")
+    ck = C.pack(md, calib, work / "gpt_oss-mxfp4-r0", "mxfp4", 0.0)
+    ours = {k: t for f in sorted(ck.glob("model*.safetensors")) for k, t in load_file(str(f)).items()}
+    source = {k: t for f in sorted(md.glob("*.safetensors")) for k, t in load_file(str(f)).items()}
+    experts = hub_mxfp4_experts(ours)
+    tensors = {**{k: t for k, t in source.items() if not re.search(r"\.experts\.(gate_up_proj|down_proj)$", k)}, **experts}
+    hub, as_is = work / "gpt_oss-hub", work / "gpt_oss-hub-as-is"
+    hub.mkdir()
+    for f in md.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy(f, hub / f.name)
+    save_file(tensors, str(hub / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((md / "config.json").read_text())
+    (hub / "config.json").write_text(json.dumps({**cfg, "quantization_config": HUB_MXFP4_CONFIG}))
+    shutil.copytree(hub, as_is)
+    job = {"checkpoints": [str(hub), str(as_is)], "values": {str(hub): GPT_OSS_EXPERTS}, "no_moe_kernel": [str(hub)]}
+    run = C.EngineRun(job, work, "load-hub", STOCK, timeout=900, script="load_check.py")
+    return {"tensors": tensors, "experts": experts, "source": source, "hub": run.result()[str(hub)], "as_is": run.result()[str(as_is)]}
+
+
+def test_gpt_oss_in_the_hub_mxfp4_layout_loads_every_tensor_in_stock_vllm(gpt_oss_hub):
+    """Our gpt-oss MXFP4 experts in the hub's layout, in stock vLLM (its GptOssForCausalLM, its
+    gpt_oss_mxfp4 method, its loader; the plugin's method off): every tensor of the checkpoint,
+    the expert biases included, is read into a parameter and every parameter is loaded (but the
+    attention defaults); the expert parameters hold our codes and E8M0 scales as the hub stores them
+    (gate and up rows interleaved) and the biases as on disk. The method's experts are W4A16 and its
+    linears unquantized (the attention is the source's bf16). vLLM's MoE kernel choice is set aside
+    for this (load_check.py's no_moe_kernel): on the CPU it has one kernel for this method,
+    CPUExpertsMxfp4, which needs AMX; without AMX building the model stops there, which the
+    checkpoint as it is shows."""
+    import hashlib
+
+    def sha(t):
+        return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+    r, tensors = gpt_oss_hub["hub"], gpt_oss_hub["tensors"]
+    assert "error" not in r, f"{r.get('error')}\n{r.get('traceback', '')}"
+    assert (r["architecture"], r["model_class"], r["quantization"]) == ("GptOssForCausalLM", "GptOssForCausalLM", "gpt_oss_mxfp4")
+    assert r["tensors"] == len(tensors) and r["withheld"] == []
+    assert r["unread"] == []
+    assert [n for n in r["not_loaded"] if not ATTN_DEFAULTS.search(n)] == []
+    for layer in (0, 1):
+        p = f"model.layers.{layer}.mlp.experts"
+        want = {
+            "w13_weight": gpt_oss_hub["experts"][f"{p}.gate_up_proj_blocks"], "w13_weight_scale": gpt_oss_hub["experts"][f"{p}.gate_up_proj_scales"],
+            "w2_weight": gpt_oss_hub["experts"][f"{p}.down_proj_blocks"], "w2_weight_scale": gpt_oss_hub["experts"][f"{p}.down_proj_scales"],
+            "w13_bias": tensors[f"{p}.gate_up_proj_bias"], "w2_bias": tensors[f"{p}.down_proj_bias"],
+        }
+        for param, t in want.items():
+            assert r["values"][f"{p}.routed_experts.{param}"][2] == sha(t), (layer, param)
+    w = gpt_oss_hub["as_is"]
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    if amx:  # vLLM's CPUExpertsMxfp4 builds: the same load
+        assert "error" not in w and w["unread"] == [], w
+    else:
+        assert w.get("error", "").startswith("NotImplementedError: No MXFP4 MoE backend supports the deployment configuration"), w
+        assert "backend: CPU, reason: kernel does not support current device cpu" in w["error"], w
+
+
 def checkpoint_tensors(path: Path) -> set[str]:
     return set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"])
 
