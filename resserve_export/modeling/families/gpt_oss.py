@@ -21,14 +21,15 @@ gpt-oss's first expert bias (``tests/test_vllm.py`` shows that everything else l
 reads it).
 
 Stock vLLM's one FP4 path with expert bias parameters is the hub's own MXFP4 format
-(``quant_method: mxfp4``: vLLM's ``GptOssMxfp4Config`` and ``GptOssMxfp4MoEMethod``).
-`hub_mxfp4_experts` rearranges the experts `pack` wrote into it (the same codes and scales), and
-`HUB_MXFP4_CONFIG` is the hub's quantization_config; vLLM's gpt-oss model and loader take every
-tensor of such a checkpoint, biases included (``tests/test_vllm.py``). That method quantizes no
-linear (its ``get_quant_method`` gives every linear layer ``UnquantizedLinearMethod``): the
-attention stays bf16, as on the hub, and the experts run as W4A16 (bf16 activations, the only
-activation dtype it admits), not as the W4A4 of this tool's format. `pack` does not write this
-layout yet.
+(``quant_method: mxfp4``: vLLM's ``GptOssMxfp4Config`` and ``GptOssMxfp4MoEMethod``), which
+``pack --experts-layout hub`` writes (`storage.hub_experts`, with `HUB_MXFP4_CONFIG`, the hub's
+quantization_config); vLLM's gpt-oss model and loader take every tensor of such a checkpoint,
+biases included (``tests/test_vllm.py``). That method quantizes no linear (its
+``get_quant_method`` gives every linear layer ``UnquantizedLinearMethod``): the attention is
+copied in bf16, as on the hub, and the experts run as W4A16 (bf16 activations, the only
+activation dtype it admits), not as the W4A4 of this tool's format, with no sidecar.
+`hub_mxfp4_experts` rearranges a per-expert checkpoint's experts into the same tensors (the
+tests' independent check of that layout).
 
 The expert computes ``gate_up = x·W + b``, then the clamped SwiGLU ``(clamp(up, ±limit) + 1) ·
 g·σ(α·g)`` with ``g = min(gate, limit)`` (α = 1.702, limit = 7.0 in the config), then ``down``
@@ -92,8 +93,9 @@ def hub_mxfp4_experts(written: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     ``[E, 2I, H/32, 16]``, ``gate_up_proj_scales`` ``[E, 2I, H/32]``, ``down_proj_blocks``
     ``[E, H, I/32, 16]`` and ``down_proj_scales`` ``[E, H, I/32]``: the same codes and E8M0 scales,
     only rearranged (row r of gate_up is w13's column r: gate and up interleaved, as on the hub;
-    two E2M1 codes a byte, element 2i in the low nibble in both layouts). `dequantize_mxfp4` reads
-    them back. Other tensors of `written` are ignored."""
+    two E2M1 codes a byte, element 2i in the low nibble in both layouts), as ``pack --experts-layout
+    hub`` writes them (`storage.hub_experts`). `dequantize_mxfp4` reads them back. Other tensors of
+    `written` are ignored."""
     layers: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     for name, t in written.items():
         m = _WRITTEN.match(name)
