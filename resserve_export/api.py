@@ -276,16 +276,20 @@ def size(
     other_bytes: int | None = None,
     max_shard_size: str | int = "5GB",
     kv_cache: str = "none",
+    experts_layout: str = "per-expert",
 ) -> SizeReport:
     """Bytes `pack` would write for a model, from its config.json (or directory) alone.
 
     `other_bytes`: config, tokenizer and other copied files; None measures them beside the config.
+    `experts_layout`: as `pack`'s (``hub``: gpt-oss's experts as the hub's MXFP4 blocks).
     """
 
     cfg, where = load_config(config)
     if other_bytes is None:
         other_bytes = other_files_bytes(where) if where is not None else 0
-    return estimate(cfg, fmt, ratio=ratio, plan=plan, other_bytes=other_bytes, max_shard_size=max_shard_size, kv_cache=kv_cache)
+    return estimate(
+        cfg, fmt, ratio=ratio, plan=plan, other_bytes=other_bytes, max_shard_size=max_shard_size, kv_cache=kv_cache, experts_layout=experts_layout
+    )
 
 
 __all__ = ["calibrate", "plan", "pack", "verify", "size", "CalibrationResult", "PlanResult", "PackResult", "VerifyResult", "SizeReport", "restoring_process_state"]

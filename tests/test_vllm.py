@@ -1067,6 +1067,84 @@ def test_gpt_oss_serves_with_the_resserve_method(env):
     assert float((lp - lp0).abs().max()) > 10 * LOGPROB_ATOL
 
 
+# Stock vLLM's one FP4 path that makes expert bias parameters: the hub's MXFP4 gpt-oss format
+# (quant_method mxfp4, vLLM's GptOssMxfp4Config), which `pack --experts-layout hub` writes. It
+# serves every linear unquantized, so the attention stays bf16 (as on the hub), and its experts as
+# W4A16.
+@pytest.fixture(scope="module")
+def gpt_oss_hub(tmp_path_factory) -> dict:
+    """Our gpt-oss checkpoint packed by ``resserve-export pack --format mxfp4 --ratio 0
+    --experts-layout hub``, loaded by load_check.py in stock vLLM three times: with the MoE kernel
+    choice set aside, as it is, and with the plugin's method on (RESSERVE_VLLM_METHOD=1), which must
+    leave it to vLLM's own method."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from tests.fixtures.console import run_main
+
+    work = tmp_path_factory.mktemp("gpt_oss_hub")
+    md, calib = family_model({"work": work}, "gpt_oss")
+    hub = work / "gpt_oss-hub"
+    p = run_main("pack", str(md), "--calib", str(calib), "--out", str(hub), "--format", "mxfp4", "--ratio", "0", "--experts-layout", "hub",
+                 "--device", "cpu")
+    assert p.returncode == 0, p.stderr[-2000:]
+    tensors = {k: t for f in sorted(hub.glob("model*.safetensors")) for k, t in load_file(str(f)).items()}
+    source = {k: t for f in sorted(md.glob("*.safetensors")) for k, t in load_file(str(f)).items()}
+    as_is, plugin = work / "gpt_oss-hub-as-is", work / "gpt_oss-hub-plugin"
+    shutil.copytree(hub, as_is)
+    shutil.copytree(hub, plugin)
+    job = {"checkpoints": [str(hub), str(as_is)], "values": {str(hub): GPT_OSS_EXPERTS}, "no_moe_kernel": [str(hub)]}
+    runs = [C.EngineRun(job, work, "load-hub", STOCK, timeout=900, script="load_check.py"),
+            C.EngineRun({"checkpoints": [str(plugin)], "no_moe_kernel": [str(plugin)]}, work, "load-hub-plugin", PLUGIN, timeout=900,
+                        script="load_check.py")]
+    stock, with_plugin = (r.result() for r in runs)
+    return {"tensors": tensors, "source": source, "hub": stock[str(hub)], "as_is": stock[str(as_is)], "plugin": with_plugin[str(plugin)],
+            "config": json.loads((hub / "config.json").read_text())}
+
+
+def test_gpt_oss_in_the_hub_mxfp4_layout_loads_every_tensor_in_stock_vllm(gpt_oss_hub):
+    """Our gpt-oss checkpoint as `pack --experts-layout hub` writes it, in stock vLLM (its
+    GptOssForCausalLM, its gpt_oss_mxfp4 method, its loader; the plugin's method off): every tensor
+    of the checkpoint, the expert biases included, is read into a parameter and every parameter is
+    loaded (but the attention defaults); the expert parameters hold the checkpoint's codes and E8M0
+    scales (gate and up rows interleaved) and the biases as on disk, which are the source's. The
+    method's experts are W4A16 and its linears unquantized (the attention is the source's bf16).
+    With the plugin's method on, vLLM still chooses gpt_oss_mxfp4 and loads it alike. vLLM's MoE
+    kernel choice is set aside for this (load_check.py's no_moe_kernel): on the CPU it has one
+    kernel for this method, CPUExpertsMxfp4, which needs AMX; without AMX building the model stops
+    there, which the checkpoint as it is shows."""
+    import hashlib
+
+    def sha(t):
+        return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+    r, tensors, source = gpt_oss_hub["hub"], gpt_oss_hub["tensors"], gpt_oss_hub["source"]
+    assert gpt_oss_hub["config"]["quantization_config"]["quant_method"] == "mxfp4"
+    for name, report in (("stock", r), ("plugin", gpt_oss_hub["plugin"])):
+        assert "error" not in report, f"{name}: {report.get('error')}\n{report.get('traceback', '')}"
+        assert (report["architecture"], report["model_class"], report["quantization"]) == ("GptOssForCausalLM", "GptOssForCausalLM", "gpt_oss_mxfp4"), name
+        assert report["tensors"] == len(tensors) and report["withheld"] == [] and report["unread"] == [], name
+        assert [n for n in report["not_loaded"] if not ATTN_DEFAULTS.search(n)] == [], name
+    for layer in (0, 1):
+        p = f"model.layers.{layer}.mlp.experts"
+        assert torch.equal(tensors[f"{p}.gate_up_proj_bias"], source[f"{p}.gate_up_proj_bias"])
+        want = {
+            "w13_weight": tensors[f"{p}.gate_up_proj_blocks"], "w13_weight_scale": tensors[f"{p}.gate_up_proj_scales"],
+            "w2_weight": tensors[f"{p}.down_proj_blocks"], "w2_weight_scale": tensors[f"{p}.down_proj_scales"],
+            "w13_bias": tensors[f"{p}.gate_up_proj_bias"], "w2_bias": tensors[f"{p}.down_proj_bias"],
+        }
+        for param, t in want.items():
+            assert r["values"][f"{p}.routed_experts.{param}"][2] == sha(t), (layer, param)
+    w = gpt_oss_hub["as_is"]
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    if amx:  # vLLM's CPUExpertsMxfp4 builds: the same load
+        assert "error" not in w and w["unread"] == [], w
+    else:
+        assert w.get("error", "").startswith("NotImplementedError: No MXFP4 MoE backend supports the deployment configuration"), w
+        assert "backend: CPU, reason: kernel does not support current device cpu" in w["error"], w
+
+
 def checkpoint_tensors(path: Path) -> set[str]:
     return set(json.loads((path / "model.safetensors.index.json").read_text())["weight_map"])
 

@@ -27,6 +27,12 @@ def command(
         help="also write KV-cache scales (amax / 448 per attention layer, from the calibration) for a KV cache in: none | fp8 | nvfp4 "
         "(nvfp4 with --format nvfp4 only)",
     ),
+    experts_layout: str = typer.Option(
+        "per-expert", "--experts-layout",
+        help="how gpt-oss's experts are written: per-expert (w13 / w2 per expert, compressed-tensors; with the sidecar) | hub "
+        "(the hub's MXFP4 blocks, quant_method mxfp4: stock vLLM's gpt_oss_mxfp4 method loads it, expert biases included; "
+        "--format mxfp4 --ratio 0 only, attention kept in bf16)",
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out directory"),
     allow_other_weights: bool = typer.Option(
         False,
@@ -51,6 +57,7 @@ def command(
         overwrite=overwrite,
         allow_other_weights=allow_other_weights,
         kv_cache=kv_cache,
+        experts_layout=experts_layout,
         progress=True,
     )
     Console(stderr=True).print(

@@ -24,12 +24,14 @@ def command(
     ),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="largest safetensors shard, as for pack"),
     kv_cache: str = typer.Option("none", "--kv-cache", help="KV-cache scales, as for pack: none | fp8 | nvfp4"),
+    experts_layout: str = typer.Option("per-expert", "--experts-layout", help="gpt-oss's experts, as for pack: per-expert | hub"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     """Bytes of the checkpoint `pack` would write, per tensor class and in total, from config.json alone."""
 
 
-    rep = size(config, fmt, ratio=ratio, plan=plan, other_bytes=tokenizer_bytes, max_shard_size=max_shard_size, kv_cache=kv_cache)
+    rep = size(config, fmt, ratio=ratio, plan=plan, other_bytes=tokenizer_bytes, max_shard_size=max_shard_size, kv_cache=kv_cache,
+               experts_layout=experts_layout)
     if as_json:
         print(json.dumps(rep.as_dict(), indent=2, sort_keys=True))
         return

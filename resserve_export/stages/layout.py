@@ -25,7 +25,7 @@ from resserve_export.formats.registry import HF_QUANT_CONFIG
 from resserve_export.modeling import attention as attention_layers
 from resserve_export.modeling.experts import expert_blocks
 from resserve_export.modeling.groups import Group, group_linears, linears_from_shapes
-from resserve_export.storage import fused_experts
+from resserve_export.storage import fused_experts, hub_experts
 from resserve_export.storage.checkpoint import (
     MODEL_INDEX,
     SIDECAR_INDEX,
@@ -49,6 +49,7 @@ class Layout:
     groups: list[dict]
     tensor_class: dict[str, str] = field(default_factory=dict)
     written_fused: bool = False  # experts written fused per expert (`storage.fused_experts`)
+    hub_experts: dict[str, int] = field(default_factory=dict)  # experts in the hub's layout: {<…>.experts: E} (`storage.hub_experts`)
 
     def shards(self, max_bytes: int) -> tuple[list[list[TensorSpec]], list[list[TensorSpec]]]:
         return split_shards(self.model, max_bytes), split_shards(self.sidecar, max_bytes)
@@ -117,6 +118,7 @@ def build_layout(
     tied: bool,
     kv_cache: str = "none",
     written_fused: bool = False,
+    experts_layout: str = "per-expert",
 ) -> Layout:
     """The output layout for source tensors `shapes` (name -> (dtype, shape)).
 
@@ -124,9 +126,17 @@ def build_layout(
     first member), so the same inputs always give the same files. `ratios` maps ``group.name``
     to ρ. With a `kv_cache` format other than ``none`` every attention module gets its k / v
     scales, named and shaped as the format's loaders read them. `written_fused`: experts are
-    written fused per expert (`storage.fused_experts`: gpt-oss).
+    written fused per expert (`storage.fused_experts`: gpt-oss). `experts_layout` ``hub``: only
+    the experts are quantized (every other group is copied as it is), each layer's written as the
+    hub's four MXFP4 tensors (`storage.hub_experts`) at the position of its last group.
     """
     b = registry.get(fmt).block
+    hub: dict[str, int] = {}
+    if experts_layout == hub_experts.HUB:
+        groups = [g for g in groups if all(hub_experts.expert_linear(m) for m in g.modules)]
+        hub = hub_experts.per_layer(m for g in groups for m in g.modules)
+    hub_seen: dict[str, int] = {}
+    hub_dims: dict[str, dict[str, int]] = {}
     member_of = {m: g for g in groups for m in g.modules}
     items: list[tuple[str, object]] = []
     model: list[TensorSpec] = []
@@ -175,13 +185,22 @@ def build_layout(
             for s in side:
                 cls[s.name] = "mask" if s.name.endswith(MASK_SUFFIX) else "extension"
         plain = fused_experts.merged_specs(plain) if written_fused else plain
+        if hub:
+            plain = []
+            for m, N in zip(g.modules, g.out_features):
+                experts, _, leaf = hub_experts.expert_linear(m)
+                if leaf == "gate_proj":
+                    hub_dims.setdefault(experts, {}).update(I=N, H=K)
+                hub_seen[experts] = hub_seen.get(experts, 0) + 1
+                if hub_seen[experts] == 3 * hub[experts]:  # the layer's last expert linear: its four tensors
+                    plain = hub_experts.hub_specs(experts, hub[experts], hub_dims[experts]["I"], hub_dims[experts]["H"])
         model += plain
         for s in plain:
             cls[s.name] = "linear"
         items.append(("group", g))
         mode = "plain" if ratio == 0 else ("full" if ratio == 1 else "k_ext")
         records.append({"members": list(g.modules), "ratio": ratio, "mode": mode, "K": K, "K_E": K_E})
-    return Layout(fmt, items, model, sidecar, records, cls, written_fused)
+    return Layout(fmt, items, model, sidecar, records, cls, written_fused, hub)
 
 
 __all__ = ["Layout", "build_layout", "kv_specs", "model_groups", "recorded_groups", "OWN_FILES", "WEIGHT_SUFFIXES"]

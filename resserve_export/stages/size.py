@@ -32,12 +32,13 @@ from resserve_export.stages.layout import (
     build_layout,
     model_groups,
 )
-from resserve_export.stages.pack.inputs import check_format_arg, load_ratios
+from resserve_export.stages.pack.inputs import check_experts_layout, check_format_arg, load_ratios
 from resserve_export.storage.checkpoint import (
     MODEL_PREFIX,
     SIDECAR_PREFIX,
     dump_json,
 )
+from resserve_export.storage.hub_experts import HUB
 from resserve_export.storage.safetensors import ST_METADATA, header_bytes, index_json, parse_size
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
@@ -234,15 +235,21 @@ def estimate(
     other_bytes: int = 0,
     max_shard_size: str | int = "5GB",
     kv_cache: str = "none",
+    experts_layout: str = "per-expert",
 ) -> SizeReport:
     """Exact bytes `pack` writes for this config, format and ratio / plan (+ `other_bytes`),
-    with the KV-cache scales of `kv_cache` (``none``, ``fp8``, ``nvfp4``) as `pack --kv-cache`."""
+    with the KV-cache scales of `kv_cache` (``none``, ``fp8``, ``nvfp4``) as `pack --kv-cache`
+    and the experts in `experts_layout` as `pack --experts-layout`."""
     f = check_format_arg(fmt)
+    hub = check_experts_layout(experts_layout, f.name, ratio, plan, kv_cache) == HUB
+    families.check_experts_layout(cfg, experts_layout, "estimated")
     shapes = families.unfused_shapes(cfg, shapes_from_config(cfg))  # experts fused on disk: quantized per expert
     groups = model_groups(shapes)
     families.check_format(cfg, fmt, "estimated")
     ratios, _ = load_ratios(groups, ratio, Path(plan) if plan is not None else None, None)
-    layout = build_layout(shapes, groups, ratios, fmt, cfg.get("tie_word_embeddings") is True, kv_cache, families.writes_fused_experts(cfg))
+    layout = build_layout(
+        shapes, groups, ratios, fmt, cfg.get("tie_word_embeddings") is True, kv_cache, families.writes_fused_experts(cfg) and not hub, experts_layout
+    )
     max_bytes = parse_size(max_shard_size)
     model_shards, side_shards = layout.shards(max_bytes)
     classes = {"embeddings": 0, "norms & biases": 0, "quantized linears": 0, "extension": 0, "masks": 0}
@@ -264,7 +271,7 @@ def estimate(
     if side_shards:
         meta += len(dump_json(index_json(SIDECAR_PREFIX, side_shards)))
     ignore = ["lm_head", *routers(shapes, expert_blocks(shapes)), *exact_linears(shapes)]
-    meta += sum(len(dump_json(obj)) for obj in f.extra_files(ignore, __version__, kv_cache).values())
+    meta += sum(len(dump_json(obj)) for obj in ({} if hub else f.extra_files(ignore, __version__, kv_cache)).values())
     classes["safetensors headers"] = headers
     classes["index / quant json"] = meta
     classes["config, tokenizer, other files"] = int(other_bytes)

@@ -39,7 +39,7 @@ from resserve_export.formats import kv as kv_format
 from resserve_export.formats import registry
 from resserve_export.formats.constants import SELECTION_GROUP
 from resserve_export.formats.qtensor import FP4Tensor, read_base
-from resserve_export.storage import fused_experts
+from resserve_export.storage import fused_experts, hub_experts
 from resserve_export.storage.safetensors import SafetensorsFiles
 
 FORMAT_VERSION = 1
@@ -60,10 +60,11 @@ def dump_json(obj) -> str:
 
 
 def resserve_section(
-    fmt: str, rounding: str, groups: list[dict], provenance: dict, kv_cache: str = "none"
+    fmt: str, rounding: str, groups: list[dict], provenance: dict, kv_cache: str = "none", experts_layout: str = "per-expert"
 ) -> dict:
     """``quantization_config.resserve`` (docs/formats.md). `groups`: dicts with members, ratio, mode, K, K_E;
-    `kv_cache` is recorded (with the attention modules' scale names) when it is not ``none``."""
+    `kv_cache` is recorded (with the attention modules' scale names) when it is not ``none``,
+    `experts_layout` when it is not ``per-expert`` (``hub``: `storage.hub_experts`)."""
     f = registry.get(fmt)
     section = {
         "format_version": FORMAT_VERSION,
@@ -77,6 +78,8 @@ def resserve_section(
     }
     if kv_cache != "none":
         section["kv_cache"] = kv_cache
+    if experts_layout != "per-expert":
+        section["experts_layout"] = experts_layout
     return section
 
 
@@ -139,9 +142,13 @@ class Checkpoint:
         self.rounding: str = self.resserve.get("mx_scale_rounding") or "ceil"
         self.groups: list[dict] = self.resserve["groups"]
         self.kv_cache: str = self.resserve.get("kv_cache", "none")
+        self.experts_layout: str = self.resserve.get("experts_layout", "per-expert")
         self._group_of = {m: g for g in self.groups for m in g["members"]}
         self.model = SafetensorsFiles(self._indexed(MODEL_INDEX))
-        parts = fused_experts.read_parts(self.model.shapes())  # experts written fused per expert (gpt-oss)
+        if self.experts_layout == hub_experts.HUB:  # gpt-oss's experts as the hub's MXFP4 blocks
+            parts = hub_experts.read_parts(self.model.shapes())
+        else:  # experts written fused per expert (gpt-oss)
+            parts = fused_experts.read_parts(self.model.shapes())
         if parts:
             self.model.add_parts(parts)
         side = self.dir / SIDECAR_INDEX

@@ -379,15 +379,16 @@ class SafetensorsFiles:
             self.entries[name] = _Entry(path, dtype, shape, base + b, nbytes)
 
     def add_parts(self, parts: dict[str, Part]) -> None:
-        """Present each `parts` name as that part of a stored 3-D tensor (or of a 2-D one, index 0), and hide the stored
+        """Present each `parts` name as that part of a stored 3-D tensor (or of a 2-D one, index 0;
+        a 4-D one's sub-tensors ``[R, G, B]`` are cut as ``[R, G·B]``), and hide the stored
         tensors they are cut from: readers then see, e.g., one 2-D weight per expert where the
         file holds every expert of a layer in one tensor."""
         for name, p in parts.items():
             src = self.entries.get(p.source)
             whole = src is not None and len(src.shape) == 2 and p.index == 0  # a 2-D tensor is its own one sub-tensor
-            if src is None or src.part is not None or not (whole or len(src.shape) == 3 and 0 <= p.index < src.shape[0]):
+            if src is None or src.part is not None or not (whole or len(src.shape) in (3, 4) and 0 <= p.index < src.shape[0]):
                 raise ValueError(f"{name}: {p.source} is not a stored 3-D tensor with a sub-tensor {p.index}")
-            stored = src.shape if whole else src.shape[1:]
+            stored = src.shape if whole else (src.shape[1], math.prod(src.shape[2:]))
             extent = stored[1] if p.transposed else stored[0]
             if not 0 <= p.start < p.stop <= extent:
                 raise ValueError(f"{name}: {p.start}:{p.stop}:{p.step} is outside {p.source}'s {extent}")

@@ -65,6 +65,7 @@ from resserve_export.vllm_plugin.settings import method_enabled
 from resserve_export.vllm_plugin.moe import SUPPORTED_ACTIVATIONS, act_and_mul, routed_rows
 from resserve_export.core.names import MASK_SUFFIX, EXT_WEIGHT_SUFFIX, EXT_SCALE_SUFFIX
 from resserve_export.storage.checkpoint import SIDECAR_INDEX
+from resserve_export.storage.hub_experts import HUB
 
 NAME = "resserve"
 DECODE_ROWS_ENV = "RESSERVE_DECODE_ROWS"
@@ -180,6 +181,10 @@ class ResServeConfig(QuantizationConfig):
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None) -> str | None:
         # Take over a checkpoint with a resserve section unless the user named another method.
         if not method_enabled() or not isinstance(hf_quant_cfg, dict) or "resserve" not in hf_quant_cfg:
+            return None
+        # gpt-oss's experts in the hub's layout (pack --experts-layout hub) are vLLM's own
+        # gpt_oss_mxfp4 method's, with no sidecar: left to it.
+        if (hf_quant_cfg.get("resserve") or {}).get("experts_layout") == HUB:
             return None
         if user_quant not in (None, NAME):
             return None

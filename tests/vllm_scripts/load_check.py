@@ -10,7 +10,10 @@ attributes are empty classes), after transformers has recorded that torchvision 
 Usage: python load_check.py JOB.json OUT.json, where JOB is {"checkpoints": [dir, ...]} and
 optionally "withhold" ({dir: regex}: checkpoint tensors not given to the loader, reported as
 ``withheld``) and "values" ({dir: regex}: parameters whose bytes after loading are reported as
-``values``, {name: [dtype, shape, sha256]}). For
+``values``, {name: [dtype, shape, sha256]}) and "no_moe_kernel" ([dir, ...]: vLLM's MXFP4 MoE
+kernel choice, ``select_mxfp4_moe_backend``, answers "none" instead of looking for a kernel; it
+decides how the loaded experts are computed, not which parameters exist or how they load, and on
+a CPU without AMX it finds none, so the model could not be built otherwise). For
 each checkpoint, vLLM builds its config as an engine would (EngineArgs, bf16: the dtype ModelOpt NVFP4 admits; eager), builds
 the model class that config names on the CPU, and runs the model's own ``load_weights`` over the
 loader's tensors of the checkpoint. OUT is {dir: report}, report:
@@ -145,9 +148,11 @@ def _one_rank() -> None:
     ps.ensure_model_parallel_initialized(1, 1)
 
 
-def check(ckpt: str, withhold: str | None = None, values: str | None = None) -> dict:
+def check(ckpt: str, withhold: str | None = None, values: str | None = None, no_moe_kernel: bool = False) -> dict:
+    import contextlib
     import hashlib
     import re
+    from unittest import mock
 
     import torch
     from vllm.config import set_current_vllm_config
@@ -158,7 +163,13 @@ def check(ckpt: str, withhold: str | None = None, values: str | None = None) -> 
     cfg = EngineArgs(model=ckpt, dtype="bfloat16", enforce_eager=True, max_model_len=512, seed=0).create_engine_config()
     report = {"architecture": cfg.model_config.architectures[0], "quantization": cfg.model_config.quantization}
     loader = get_model_loader(cfg.load_config)
-    with set_current_vllm_config(cfg), torch.device("cpu"):
+    no_kernel = contextlib.nullcontext()
+    if no_moe_kernel:
+        from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import Mxfp4MoeBackend
+
+        no_kernel = mock.patch("vllm.model_executor.layers.quantization.mxfp4.select_mxfp4_moe_backend",
+                               lambda moe, activation_key=None: (Mxfp4MoeBackend.NONE, None))
+    with set_current_vllm_config(cfg), torch.device("cpu"), no_kernel:
         _one_rank()
         model = initialize_model(vllm_config=cfg, model_config=cfg.model_config)
         report["model_class"] = type(model).__name__
@@ -199,7 +210,7 @@ def main() -> None:
     out = {}
     for ckpt in job["checkpoints"]:
         try:
-            out[ckpt] = check(ckpt, job.get("withhold", {}).get(ckpt), job.get("values", {}).get(ckpt))
+            out[ckpt] = check(ckpt, job.get("withhold", {}).get(ckpt), job.get("values", {}).get(ckpt), ckpt in job.get("no_moe_kernel", ()))
         except Exception as e:  # noqa: BLE001  (reported per checkpoint; the caller's test raises it)
             out[ckpt] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
         print(f"load check {ckpt}: {json.dumps({k: v for k, v in out[ckpt].items() if k != 'traceback'})[:2000]}", flush=True)

@@ -163,6 +163,23 @@ def check_weight_algo(config: dict, algo: str, doing: str = "done") -> None:
         raise UserError(f"--weight-algo {algo}: {f.refused_awq}; nothing was {doing}")
 
 
+def check_experts_layout(config: dict, layout: str, doing: str = "done") -> None:
+    """Refuse, before any work, ``--experts-layout hub`` for a model that is not gpt-oss: the
+    hub's MXFP4 expert layout (`storage.hub_experts`) is gpt-oss's."""
+    f = family_of(config)
+    if layout == "hub" and f is not gpt_oss.FAMILY:
+        raise UserError(
+            f"--experts-layout hub is the layout of gpt-oss's hub checkpoints, and this model is {config.get('model_type')!r}: "
+            f"leave out --experts-layout hub; nothing was {doing}"
+        )
+
+
+def hub_quantization_config() -> dict:
+    """config.json's ``quantization_config`` of gpt-oss's hub MXFP4 checkpoints (without our
+    ``resserve`` section), as `pack --experts-layout hub` writes it."""
+    return {k: list(v) if isinstance(v, list) else v for k, v in gpt_oss.HUB_MXFP4_CONFIG.items()}
+
+
 def writes_fused_experts(config: dict) -> bool:
     """Whether the family's experts are written fused per expert (`storage.fused_experts`)."""
     fused = family_of(config).experts_on_disk
@@ -189,4 +206,4 @@ def has_adapter(config: dict) -> bool:
     return family_of(config) is not text.FAMILY
 
 
-__all__ = ["FAMILIES", "Family", "family_of", "check_format", "check_weight_algo", "writes_fused_experts", "expert_parts", "unfused_shapes", "adapt", "is_exact", "kept_as", "check_tensors", "check_loadable", "has_adapter"]
+__all__ = ["FAMILIES", "Family", "family_of", "check_format", "check_weight_algo", "check_experts_layout", "hub_quantization_config", "writes_fused_experts", "expert_parts", "unfused_shapes", "adapt", "is_exact", "kept_as", "check_tensors", "check_loadable", "has_adapter"]

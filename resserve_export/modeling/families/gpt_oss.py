@@ -16,8 +16,20 @@ expert at a time under the suffixes ``w13_weight``, ``w13_weight_packed``, ``w13
 ``input_scale`` have no name it loads, so NVFP4 is refused for gpt-oss. Its compressed-tensors
 MXFP4 MoE method reads the per-expert weights and scales through its unquantized path, which
 transposes them: hence the transposed storage. One gap remains on vLLM's side: neither of its FP4
-MoE methods makes a parameter for expert biases, so stock vLLM 0.32 stops at gpt-oss's first
-expert bias (``tests/test_vllm.py`` shows that everything else loads where vLLM reads it).
+MoE methods for these formats makes a parameter for expert biases, so stock vLLM 0.32 stops at
+gpt-oss's first expert bias (``tests/test_vllm.py`` shows that everything else loads where vLLM
+reads it).
+
+Stock vLLM's one FP4 path with expert bias parameters is the hub's own MXFP4 format
+(``quant_method: mxfp4``: vLLM's ``GptOssMxfp4Config`` and ``GptOssMxfp4MoEMethod``), which
+``pack --experts-layout hub`` writes (`storage.hub_experts`, with `HUB_MXFP4_CONFIG`, the hub's
+quantization_config); vLLM's gpt-oss model and loader take every tensor of such a checkpoint,
+biases included (``tests/test_vllm.py``). That method quantizes no linear (its
+``get_quant_method`` gives every linear layer ``UnquantizedLinearMethod``): the attention is
+copied in bf16, as on the hub, and the experts run as W4A16 (bf16 activations, the only
+activation dtype it admits), not as the W4A4 of this tool's format, with no sidecar.
+`hub_mxfp4_experts` rearranges a per-expert checkpoint's experts into the same tensors (the
+tests' independent check of that layout).
 
 The expert computes ``gate_up = x·W + b``, then the clamped SwiGLU ``(clamp(up, ±limit) + 1) ·
 g·σ(α·g)`` with ``g = min(gate, limit)`` (α = 1.702, limit = 7.0 in the config), then ``down``
@@ -60,6 +72,45 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
         codes = torch.stack([blocks[e] & 0x0F, blocks[e] >> 4], dim=-1).reshape(R, G, 2 * B)
         values = torch.ldexp(signed[codes.long()], scales[e].to(torch.int32)[..., None] - E8M0_BIAS)
         out[e] = values.reshape(R, -1).t().to(torch.bfloat16)
+    return out
+
+
+# The quantization_config of the hub's MXFP4 gpt-oss checkpoints (openai/gpt-oss-20b, -120b): the
+# experts are MXFP4 blocks, everything else is listed as not converted and stays as it is.
+HUB_MXFP4_CONFIG = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+}
+# The experts as `pack` writes them (`storage.fused_experts`): per expert, transposed, w13's
+# columns gate and up interleaved.
+_WRITTEN = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<fused>w13|w2)_(?P<kind>weight_packed|weight_scale)$")
+
+
+def hub_mxfp4_experts(written: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The hub's MXFP4 expert tensors for the MXFP4 experts `pack` wrote: from each layer's
+    ``<…>.experts.E.w13_weight_packed`` ``[H/2, 2I]`` / ``w13_weight_scale`` ``[H/32, 2I]`` and
+    ``w2_…`` ``[I/2, H]`` / ``[I/32, H]`` (all E experts of the layer), ``<…>.experts.gate_up_proj_blocks``
+    ``[E, 2I, H/32, 16]``, ``gate_up_proj_scales`` ``[E, 2I, H/32]``, ``down_proj_blocks``
+    ``[E, H, I/32, 16]`` and ``down_proj_scales`` ``[E, H, I/32]``: the same codes and E8M0 scales,
+    only rearranged (row r of gate_up is w13's column r: gate and up interleaved, as on the hub;
+    two E2M1 codes a byte, element 2i in the low nibble in both layouts), as ``pack --experts-layout
+    hub`` writes them (`storage.hub_experts`). `dequantize_mxfp4` reads them back. Other tensors of
+    `written` are ignored."""
+    layers: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, t in written.items():
+        m = _WRITTEN.match(name)
+        if m:
+            layers.setdefault(m["experts"], {}).setdefault(f"{m['fused']}_{m['kind']}", {})[int(m["e"])] = t
+    out = {}
+    for experts, kinds in layers.items():
+        for fused, hub in (("w13", "gate_up_proj"), ("w2", "down_proj")):
+            codes, scales = kinds[f"{fused}_weight_packed"], kinds[f"{fused}_weight_scale"]
+            E = len(codes)
+            if sorted(codes) != list(range(E)) or sorted(scales) != list(range(E)):
+                raise ValueError(f"{experts}: the {fused} tensors are not those of experts 0..{E - 1}")
+            blocks = torch.stack([codes[e].t() for e in range(E)])  # [E, rows, K/2]
+            out[f"{experts}.{hub}_blocks"] = blocks.reshape(E, blocks.shape[1], -1, 16).contiguous()
+            out[f"{experts}.{hub}_scales"] = torch.stack([scales[e].t() for e in range(E)]).contiguous()
     return out
 
 

@@ -28,6 +28,7 @@ from resserve_export.modeling.experts import ExpertBlock, expert_blocks
 from resserve_export.modeling.groups import Group
 from resserve_export.stages.layout import model_groups, recorded_groups
 from resserve_export.stages.plan import load_plan, module_ratios
+from resserve_export.storage import hub_experts
 from resserve_export.storage import kv_stats as kv_file
 from resserve_export.storage.safetensors import SafetensorsFiles, parse_size
 
@@ -252,6 +253,26 @@ def pipeline_depth() -> int:
     return depth
 
 
+def check_experts_layout(layout: str, fmt: str, ratio: float | None, plan, kv_cache: str) -> str:
+    """``--experts-layout``, checked against the other arguments before any work (``hub``: the
+    hub's MXFP4 gpt-oss experts, which stock vLLM runs W4A16 with no place for a sidecar or
+    KV-cache scales)."""
+    if layout not in hub_experts.LAYOUTS:
+        raise UserError(f"unknown --experts-layout {layout!r}: choose one of {', '.join(hub_experts.LAYOUTS)}")
+    if layout != hub_experts.HUB:
+        return layout
+    if fmt != "mxfp4":
+        raise UserError(f"--experts-layout hub writes the hub's MXFP4 expert blocks, not {fmt}: use --format mxfp4")
+    if plan is not None or ratio is None or float(ratio) != 0:
+        raise UserError(
+            "--experts-layout hub writes no residue-compensation sidecar (stock vLLM's gpt-oss MXFP4 method has no place for one): "
+            "use --ratio 0, or leave out --experts-layout hub to compensate"
+        )
+    if kv_cache != "none":
+        raise UserError("--experts-layout hub writes no KV-cache scales (the hub's mxfp4 quantization_config declares none): use --kv-cache none")
+    return layout
+
+
 @dataclass
 class PackArgs:
     """`pack`'s arguments that need no file, checked before any work."""
@@ -261,11 +282,15 @@ class PackArgs:
     max_bytes: int  # --max-shard-size
     device: torch.device
     depth: int  # `pipeline_depth`
+    experts_layout: str = "per-expert"  # `check_experts_layout`
 
 
-def check_args(fmt: str, kv_cache: str, mx_scale: str, ratio: float | None, max_shard_size: str | int, device: str) -> PackArgs:
-    """The checked format, KV-cache format, scale rounding, ratio, shard size, device and pipeline
-    depth (a one-line `UserError` for the first bad one)."""
+def check_args(
+    fmt: str, kv_cache: str, mx_scale: str, ratio: float | None, max_shard_size: str | int, device: str,
+    experts_layout: str = "per-expert", plan=None,
+) -> PackArgs:
+    """The checked format, KV-cache format, scale rounding, ratio, shard size, device, pipeline
+    depth and experts layout (a one-line `UserError` for the first bad one)."""
     f = check_format_arg(fmt)
     kv_format.check_for_format(kv_cache, f)  # before any work; build_layout relies on it too
     try:
@@ -274,7 +299,8 @@ def check_args(fmt: str, kv_cache: str, mx_scale: str, ratio: float | None, max_
         raise UserError(f"unknown --mx-scale {mx_scale!r}: choose one of {', '.join(r.value for r in ScaleRounding)}") from None
     if ratio is not None:
         check_ratio_arg(ratio)
-    return PackArgs(f, rounding, parse_size(max_shard_size), devices.resolve_device(device), pipeline_depth())
+    layout = check_experts_layout(experts_layout, f.name, ratio, plan, kv_cache)
+    return PackArgs(f, rounding, parse_size(max_shard_size), devices.resolve_device(device), pipeline_depth(), layout)
 
 
 @dataclass
@@ -298,14 +324,15 @@ class PackInputs:
 
 
 def read_inputs(
-    model, calib: Path, fmt: str, rounding: str, ratio: float | None, plan: Path | None, allow_other_weights: bool
+    model, calib: Path, fmt: str, rounding: str, ratio: float | None, plan: Path | None, allow_other_weights: bool,
+    experts_layout: str = "per-expert",
 ) -> PackInputs:
     """The bf16 / fp16 model `model` (a directory or a hub name), its calibration `calib` and the
     ratios of ``--ratio`` or ``--plan``, or a one-line `UserError`."""
     model_dir = modelio.resolve_model(model)
     fingerprint = ModelFingerprint(model_dir)  # hashing (if not cached) starts now, in the background
     try:
-        return _read_inputs(model_dir, fingerprint, calib, fmt, rounding, ratio, plan, allow_other_weights)
+        return _read_inputs(model_dir, fingerprint, calib, fmt, rounding, ratio, plan, allow_other_weights, experts_layout)
     except BaseException as e:
         try:
             if isinstance(e, UserError):
@@ -318,7 +345,8 @@ def read_inputs(
 
 
 def _read_inputs(
-    model_dir: Path, fingerprint: ModelFingerprint, calib: Path, fmt: str, rounding: str, ratio: float | None, plan: Path | None, allow_other_weights: bool
+    model_dir: Path, fingerprint: ModelFingerprint, calib: Path, fmt: str, rounding: str, ratio: float | None, plan: Path | None,
+    allow_other_weights: bool, experts_layout: str,
 ) -> PackInputs:
     if _recorded_architecture(calib) != modelio.architecture_key(model_dir):
         modelio.check_architecture(model_dir, "pack")  # else calibrate checked this config already
@@ -329,6 +357,7 @@ def _read_inputs(
     shapes = source.shapes()
     blocks = expert_blocks(shapes, "packed")
     families.check_format(cfg, fmt, "packed")
+    families.check_experts_layout(cfg, experts_layout, "packed")
     # The quantized linears and their fused groups are the ones calibrate found on the loaded
     # model (one rule), not re-derived from the headers.
     recorded = read_calibration(calib, fingerprint, allow_other_weights).get("groups")
@@ -349,6 +378,6 @@ def _read_inputs(
 
 __all__ = [
     "DEPTH_ENV", "read_calibration", "load_calibration", "check_format_arg", "check_ratio_arg", "load_ratios",
-    "check_plan_format", "check_awq_format", "check_gptq_format", "kv_tensors", "pipeline_depth", "PackArgs", "check_args",
+    "check_plan_format", "check_awq_format", "check_gptq_format", "kv_tensors", "pipeline_depth", "check_experts_layout", "PackArgs", "check_args",
     "PackInputs", "read_inputs", "ModelFingerprint",
 ]

@@ -50,6 +50,7 @@ from resserve_export.storage.checkpoint import (
     dump_json,
     resserve_section,
 )
+from resserve_export.storage.hub_experts import HUB
 from resserve_export.storage.safetensors import ShardedWriter, file_bytes
 
 THREADS_ENV = "RESSERVE_PACK_THREADS"  # intra-op threads for CPU quantization (default 1)
@@ -90,23 +91,36 @@ def pack(
     progress: bool = True,
     allow_other_weights: bool = False,
     kv_cache: str = "none",
+    experts_layout: str = "per-expert",
 ) -> PackResult:
     """Write the packed checkpoint directory to `out` (see the module docstring).
 
     `kv_cache` (``none``, ``fp8``, ``nvfp4``): also write each attention layer's k / v scales
     from the calibration's KV-cache statistics (`storage.kv_stats`), and declare the KV-cache
-    format in the quantization config."""
+    format in the quantization config.
+
+    `experts_layout` ``hub`` (gpt-oss, ``mxfp4``, ratio 0): the experts are written as the
+    hub's MXFP4 blocks and scales, one set of four tensors per layer (`storage.hub_experts`),
+    everything else, the attention linears included, is copied as it is, and config.json gets
+    the hub's quantization_config (``quant_method: mxfp4``) with our ``resserve`` section: stock
+    vLLM's ``gpt_oss_mxfp4`` method loads it, expert biases included."""
     t0 = time.perf_counter()
-    args = check_args(fmt, kv_cache, mx_scale, ratio, max_shard_size, device)
+    args = check_args(fmt, kv_cache, mx_scale, ratio, max_shard_size, device, experts_layout, plan)
     out = Path(out).expanduser().absolute()
     check_out_dir(out, overwrite)
     calib = Path(calib)
-    inputs = read_inputs(model, calib, fmt, args.rounding.value, ratio, Path(plan) if plan is not None else None, allow_other_weights)
+    inputs = read_inputs(
+        model, calib, fmt, args.rounding.value, ratio, Path(plan) if plan is not None else None, allow_other_weights, args.experts_layout
+    )
     try:
+        hub = args.experts_layout == HUB
         # Drop lm_head only when the config says explicitly that it is tied: an extra copy costs
         # bytes, a missing one breaks the model.
         tied = inputs.config.get("tie_word_embeddings") is True
-        layout = build_layout(inputs.shapes, inputs.groups, inputs.ratios, fmt, tied, kv_cache, families.writes_fused_experts(inputs.config))
+        layout = build_layout(
+            inputs.shapes, inputs.groups, inputs.ratios, fmt, tied, kv_cache, families.writes_fused_experts(inputs.config) and not hub,
+            args.experts_layout,
+        )
         kv = kv_tensors(calib, inputs.shapes, args.format, kv_cache)
         model_shards, side_shards = layout.shards(args.max_bytes)
 
@@ -124,8 +138,10 @@ def pack(
             """config.json of the checkpoint: its provenance names the weights' fingerprint, which
             (when not cached) was hashed while the stream ran and is checked against the
             calibration and plan here, before anything is renamed into place."""
-            qc = args.format.quantization_config(ignore, __version__, kv_cache)
-            qc["resserve"] = resserve_section(fmt, args.rounding.value, layout.groups, _provenance(inputs, calib, ratio if plan is None else None), kv_cache)
+            qc = families.hub_quantization_config() if hub else args.format.quantization_config(ignore, __version__, kv_cache)
+            qc["resserve"] = resserve_section(
+                fmt, args.rounding.value, layout.groups, _provenance(inputs, calib, ratio if plan is None else None), kv_cache, args.experts_layout
+            )
             return {**inputs.config, "quantization_config": qc}
 
         def write(tmp: Path) -> None:
@@ -145,7 +161,7 @@ def pack(
             if side_shards:
                 (tmp / SIDECAR_INDEX).write_text(dump_json(sw.index()))
             _copy_files(inputs.model_dir, tmp)
-            for name, obj in args.format.extra_files(ignore, __version__, kv_cache).items():
+            for name, obj in ({} if hub else args.format.extra_files(ignore, __version__, kv_cache)).items():
                 (tmp / name).write_text(dump_json(obj))
             (tmp / "config.json").write_text(dump_json(config()))
 
@@ -153,7 +169,7 @@ def pack(
     finally:
         inputs.fingerprint.stop()  # a hashing still running (the pack failed) ends here
     written = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
-    return PackResult(out, len(model_shards), len(side_shards), written, time.perf_counter() - t0, len(inputs.groups))
+    return PackResult(out, len(model_shards), len(side_shards), written, time.perf_counter() - t0, len(layout.groups))
 
 
 def _provenance(inputs: PackInputs, calib: Path, ratio: float | None) -> dict:

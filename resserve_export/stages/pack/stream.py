@@ -34,7 +34,7 @@ from resserve_export.formats import registry
 from resserve_export.formats.qtensor import FP4Tensor
 from resserve_export.modeling.groups import Group
 from resserve_export.stages.pack.inputs import pipeline_depth
-from resserve_export.storage import fused_experts
+from resserve_export.storage import fused_experts, hub_experts
 from resserve_export.storage.safetensors import SafetensorsFiles, unreadable
 from resserve_export.storage.reader import SlabReader, slab_bytes
 
@@ -178,6 +178,8 @@ class _Pipeline:
         self.source, self.stats, self.ratios, self.fmt, self.rounding = source, stats, ratios, fmt, rounding
         self.dev, self.mw, self.sw = dev, mw, sw
         self.written_fused = layout.written_fused
+        # Experts in the hub's layout: one layer's quantized experts held until its last one.
+        self.hub = hub_experts.HubWriter(layout.hub_experts) if layout.hub_experts else None
         self.piped = depth >= 2
         self.cuda = dev.type == "cuda"
         groups = [(i, g) for i, (kind, g) in enumerate(layout.items) if kind == "group"]
@@ -273,10 +275,11 @@ class _Pipeline:
                 if self.piped:
                     self.top_up()
             mw = _Outputs(self.mw, outs)
-            pack_group(
-                g, weights, self.source, self.stats, self.ratios[g.name], self.fmt, self.rounding, self.dev,
-                fused_experts.FusedWriter(mw) if self.written_fused else mw, _Outputs(self.sw, outs),
-            )
+            if self.hub is not None:
+                mw = self.hub.into(mw)
+            elif self.written_fused:
+                mw = fused_experts.FusedWriter(mw)
+            pack_group(g, weights, self.source, self.stats, self.ratios[g.name], self.fmt, self.rounding, self.dev, mw, _Outputs(self.sw, outs))
             done = None
             if self.cuda:
                 done = torch.cuda.Event()
@@ -316,6 +319,8 @@ def stream(layout, source: SmoothedSource, stats, ratios, fmt, rounding, dev, mw
                 bar.describe(f"{i + 1}/{n} {g.modules[0][-40:]}")
                 p.group(i, g)
                 bar.advance(p.group_bytes(g))
+            if p.hub is not None:
+                p.hub.finish()
             p.writer.finish()
     except BaseException:
         p.writer.cancel()

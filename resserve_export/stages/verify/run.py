@@ -70,6 +70,7 @@ from resserve_export.stages.verify.measure import evaluate
 from resserve_export.stages.verify.report import write_chart
 from resserve_export.storage.calibration import load_stats
 from resserve_export.storage.checkpoint import Checkpoint
+from resserve_export.storage.hub_experts import HUB
 
 DEFAULT_TEXT = "shakespeare:eval"
 # Without a calibration directory, the sweep's selection comes from this many samples of text.
@@ -159,6 +160,12 @@ def verify(
         check_weights, Path(out) if out is not None else None, overwrite, progress,
     )
     ck = Checkpoint(ckpt)
+    if ck.experts_layout == HUB:
+        raise UserError(
+            f"{ckpt} holds gpt-oss's experts in the hub's MXFP4 layout (pack --experts-layout hub), which stock vLLM runs as W4A16 with "
+            "bf16 attention, and verify measures this tool's W4A4 layout: verify a checkpoint packed from the same calibration "
+            "without --experts-layout hub (its experts have the same codes and scales)"
+        )
     has_experts = any(is_expert(m) for g in ck.groups for m in g["members"])
     if has_experts and calib is None:
         raise UserError(f"{ckpt} quantizes mixture-of-experts linears: pass --calib (the sweep's masks come from its per-expert salience)")

@@ -185,6 +185,46 @@ def test_experts_fused_on_disk_are_quantized_per_expert_in_either_orientation(fa
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+def test_gpt_oss_experts_rearrange_into_the_hubs_mxfp4_blocks(families, texts, tmp_path_factory, tmp_path):
+    """gpt-oss's experts as pack writes them (per expert, w13 / w2), rearranged by
+    `hub_mxfp4_experts` into the hub's MXFP4 layout (``gate_up_proj_blocks`` ``[E, 2I, H/32, 16]``,
+    ``…_scales``, ``down_proj_…``): the codes and scales are the checkpoint's, gate and up rows
+    interleaved as on the hub, and the hub reader `dequantize_mxfp4` (checked against transformers
+    in test_moe_calibrate) reads back, expert by expert, a fresh MXFP4 quantization of the
+    source's gate / up / down."""
+    import torch
+    from safetensors.torch import load_file
+
+    from resserve_export.formats import ops as formats
+    from resserve_export.modeling.families.gpt_oss import dequantize_mxfp4, hub_mxfp4_experts
+
+    model = families["gpt_oss"]
+    calib = calibrated(families, "gpt_oss", texts, tmp_path_factory.mktemp("c"))
+    out = pack(model, calib, tmp_path / "ck", "mxfp4", ratio=0.0, progress=False).out
+    written = {k: t for f in modelio.weight_files(out) for k, t in load_file(str(f)).items()}
+    hub = hub_mxfp4_experts(written)
+    source = {k: t for f in modelio.weight_files(model) for k, t in load_file(str(f)).items()}
+    ck = read_checkpoint(out)
+    layers = sorted({k.rsplit(".", 1)[0] for k in hub})
+    assert layers == [f"model.layers.{i}.mlp.experts" for i in (0, 1)]
+    for p in layers:
+        gu_b, gu_s, dn_b, dn_s = (hub[f"{p}.{n}"] for n in ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales"))
+        E, H, I = 4, 64, 128
+        assert (gu_b.shape, gu_s.shape, dn_b.shape, dn_s.shape) == ((E, 2 * I, H // 32, 16), (E, 2 * I, H // 32), (E, H, I // 32, 16), (E, H, I // 32))
+        assert {t.dtype for t in (gu_b, gu_s, dn_b, dn_s)} == {torch.uint8}
+        gu, dn = dequantize_mxfp4(gu_b, gu_s), dequantize_mxfp4(dn_b, dn_s)  # [E, H, 2I], [E, I, H]: the bf16 checkpoints' layout
+        src_gu, src_dn = source[f"{p}.gate_up_proj"], source[f"{p}.down_proj"]  # [E, H, 2I] interleaved, [E, I, H]
+        for e in range(E):
+            for m, rows, w in (("gate_proj", slice(0, None, 2), src_gu[e][:, 0::2].t()), ("up_proj", slice(1, None, 2), src_gu[e][:, 1::2].t()),
+                               ("down_proj", slice(None), src_dn[e].t())):
+                q = ck[f"{p}.{e}.{m}"].base
+                blocks, scales = (gu_b, gu_s) if m != "down_proj" else (dn_b, dn_s)
+                assert torch.equal(blocks[e, rows].reshape(q.codes.shape), q.codes) and torch.equal(scales[e, rows], q.scales), (p, e, m)
+                ref = formats.quantize(w.contiguous(), "mxfp4", backend="reference").dequantize()
+                got = (gu[e].t()[rows] if m != "down_proj" else dn[e].t()).float()
+                assert torch.equal(got, ref), (p, e, m)
+
+
 @pytest.mark.parametrize("name", ["gemma3", "gemma4", "qwen3_5", "qwen3_5_moe", "qwen3_vl_moe_hub", "llama4", "llama4_vl", "gpt_oss"])
 def test_verify_reads_back_a_family_checkpoint(families, name, texts, tmp_path_factory, tmp_path):
     """verify loads the model with its own class under the checkpoint's names: the stored weights

@@ -258,7 +258,8 @@ def test_experts_are_quantized_each_on_its_routed_tokens(moe, tmp_path):
 @pytest.mark.xdist_group("moe")
 def test_gpt_oss_experts_take_gptq_through_their_own_activation(moe, tmp_path):
     """gpt-oss (experts fused on disk, interleaved, with biases and a clamped SwiGLU): each expert
-    is quantized by GPTQ on the inputs its own forward gives it, and verify reads it back."""
+    is quantized by GPTQ on the inputs its own forward gives it, and verify reads it back; packed
+    in the hub's MXFP4 layout, the experts hold the same GPTQ codes and scales."""
     model = moe["models"]["gpt_oss"]
     cfg = make_config(
         "quick", dataset=str(moe["texts"]), num_samples=7, seq_len=48, batch_size=3, device="cpu", scores="none", weight_algo="gptq",
@@ -276,6 +277,11 @@ def test_gpt_oss_experts_take_gptq_through_their_own_activation(moe, tmp_path):
         assert torch.equal(ck[m].base.codes, stored.get(m).codes) and torch.equal(ck[m].base.scales, stored.get(m).scales)
     rep = verify(out, str(model), text=str(moe["texts"]), samples=2, seq_len=32, calib=calib, device="cpu")
     assert rep["weights_match_reference"] is True and rep["weight_algo"] == "gptq"
+    # the hub's MXFP4 layout (pack --experts-layout hub) holds GPTQ's expert codes too
+    hub = read_checkpoint(pack(model, calib, tmp_path / "hub", "mxfp4", ratio=0.0, experts_layout="hub", progress=False).out)
+    assert sorted(hub) == sorted(experts)
+    for m in hub:
+        assert torch.equal(hub[m].base.codes, stored.get(m).codes) and torch.equal(hub[m].base.scales, stored.get(m).scales)
     p = run_main(
         "calibrate", str(model), "--out", str(tmp_path / "c2"), "--config", "quick", "--dataset", str(moe["texts"]), "--device", "cpu",
         "--scores", "none", "--format", "mxfp4", "--weight-algo", "awq+gptq",
