@@ -39,6 +39,8 @@ from tests.fixtures.models import make_llama, make_tokenized_gemma3, make_tokeni
 
 
 ARCHS = ("llama", "gemma3", "qwen2_mha")
+# One worker runs the module: its three models and six calibrations are built once.
+pytestmark = pytest.mark.xdist_group("awq")
 
 
 @pytest.fixture(scope="module")

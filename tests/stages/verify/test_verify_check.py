@@ -30,6 +30,7 @@ from resserve_export.storage.checkpoint import Checkpoint
 from resserve_export.formats.nvfp4 import abs_max
 from resserve_export.stages.pack.run import pack
 
+from tests.fixtures.console import run_main
 from tests.fixtures.models import make_llama, varied_texts, write_jsonl
 from tests.fixtures.tiny import make_calibration
 
@@ -57,11 +58,22 @@ def text(tmp_path_factory) -> Path:
     return write_jsonl(tmp_path_factory.mktemp("text") / "docs.jsonl", varied_texts(4))
 
 
+def verify_args(ck: Path, model: Path, text: Path, out: Path, *extra: str) -> list[str]:
+    return ["verify", str(ck), "--model", str(model), "--text", str(text), "--samples", "2", "--seq-len", "32", "--device", "cpu",
+            "--out", str(out), *extra]
+
+
 def run_verify(ck: Path, model: Path, text: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    """The real console entry point in a fresh process."""
-    cmd = [sys.executable, "-m", "resserve_export.cli", "verify", str(ck), "--model", str(model), "--text", str(text)]
-    cmd += ["--samples", "2", "--seq-len", "32", "--device", "cpu", "--out", str(out), *extra]
+    """The real console entry point in a fresh process (the exit code of the module's `main` as
+    the interpreter ends with it)."""
+    cmd = [sys.executable, "-m", "resserve_export.cli", *verify_args(ck, model, text, out, *extra)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def verify_main(ck: Path, model: Path, text: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """The same command through `cli.main` in this process: the same exit code and output, without
+    a new interpreter (~10 s of imports and model loading on the CI machine) for each mismatch."""
+    return run_main(*verify_args(ck, model, text, out, *extra))
 
 
 def one_line(r: subprocess.CompletedProcess) -> str:
@@ -88,6 +100,8 @@ def model_weight(model: Path, name: str) -> torch.Tensor:
 
 
 def test_matching_checkpoint_exits_0(bf16, text, tmp_path):
+    """Through `python -m resserve_export.cli` in a fresh process: the module's entry point and
+    its exit code; the mismatches below go through the same `cli.main` in this process."""
     model, calib, ck = bf16
     out = tmp_path / "v"
     r = run_verify(ck, model, text, out, "--calib", str(calib))
@@ -115,7 +129,7 @@ def test_rescaled_weight_scale_2_exits_3(bf16, text, tmp_path):
 
     edit_shards(edit_shards(ck, tmp_path / "ck1", "model", edit_model), tmp_path / "ck2", "resserve", edit_side)
     out = tmp_path / "v"
-    r = run_verify(tmp_path / "ck2", model, text, out)
+    r = verify_main(tmp_path / "ck2", model, text, out)
     assert r.returncode == 3, r.stderr[-2000:]
     line = one_line(r)
     assert f"1 of 14 stored linears differ from a fresh quantization of {model} (first: {Q}: weight_scale_2)" in line
@@ -131,7 +145,7 @@ def test_tampered_extension_byte_exits_3(bf16, text, tmp_path):
 
     bad = edit_shards(ck, tmp_path / "ck", "resserve", edit)
     out = tmp_path / "v"
-    r = run_verify(bad, model, text, out, "--calib", str(calib))
+    r = verify_main(bad, model, text, out, "--calib", str(calib))
     assert r.returncode == 3, r.stderr[-2000:]
     assert f"(first: {DOWN}: resserve_weight)" in one_line(r)
     assert not out.exists()
@@ -145,7 +159,7 @@ def test_same_shaped_other_model_exits_nonzero(bf16, text, tmp_path):
     tensors[f"{DOWN}.weight"] = tensors[f"{DOWN}.weight"] * 1.5
     save_file(tensors, str(f), metadata={"format": "pt"})
     out = tmp_path / "v"
-    r = run_verify(ck, other, text, out)
+    r = verify_main(ck, other, text, out)
     assert r.returncode in (2, 3), r.stderr[-2000:]  # the fingerprint or the weight check
     assert "packed from" in one_line(r)
     assert not out.exists()
