@@ -78,13 +78,6 @@ class ModelFingerprint:
             self._job.stop()
 
 
-def _check_weights(record: dict, model_fingerprint: str | ModelFingerprint, what: str) -> None:
-    if isinstance(model_fingerprint, ModelFingerprint):
-        model_fingerprint.check(record, what)
-    else:
-        modelio.check_fingerprint(record, model_fingerprint, what)
-
-
 def _recorded_architecture(calib: Path) -> dict | None:
     """The `modelio.architecture_key` calibrate recorded in `calib` (None if none can be read;
     `read_calibration` reports what is wrong with the file)."""
@@ -95,7 +88,7 @@ def _recorded_architecture(calib: Path) -> dict | None:
     return meta.get("architecture") if isinstance(meta, dict) else None
 
 
-def read_calibration(calib: Path, model_fingerprint: str | ModelFingerprint, allow_other_weights: bool = False) -> dict:
+def read_calibration(calib: Path, model_fingerprint: ModelFingerprint, allow_other_weights: bool = False) -> dict:
     """calibration.json of `calib`, made from these exact weights (content fingerprint) unless
     `allow_other_weights`."""
     calib = Path(calib)
@@ -109,12 +102,12 @@ def read_calibration(calib: Path, model_fingerprint: str | ModelFingerprint, all
     if not isinstance(meta, dict):
         raise UserError(f"{meta_path} does not hold a calibration record: re-run calibrate")
     if not allow_other_weights:
-        _check_weights(meta, model_fingerprint, f"calibration in {calib}")
+        model_fingerprint.check(meta, f"calibration in {calib}")
     return meta
 
 
 def load_calibration(
-    calib: Path, model_fingerprint: str | ModelFingerprint, groups: list[Group], allow_other_weights: bool = False
+    calib: Path, model_fingerprint: ModelFingerprint, groups: list[Group], allow_other_weights: bool = False
 ) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """(calibration.json, {module: (mean_abs, amax)}) checked against the model.
 
@@ -160,7 +153,7 @@ def load_ratios(
     groups: list[Group],
     ratio: float | None,
     plan: Path | None,
-    model_fingerprint: str | ModelFingerprint | None,
+    model_fingerprint: ModelFingerprint | None,
     fmt: str | None = None,
     rounding: str | None = None,
     allow_other_weights: bool = False,
@@ -178,7 +171,7 @@ def load_ratios(
     check = None
     if model_fingerprint is not None and not allow_other_weights:
         def check(record: dict) -> None:
-            _check_weights(record, model_fingerprint, f"plan {plan}")
+            model_fingerprint.check(record, f"plan {plan}")
     data = load_plan(Path(plan), modules=[m for g in groups for m in g.modules], check_weights=check)
     if fmt is not None:
         check_plan_format(data, Path(plan), fmt, rounding)
