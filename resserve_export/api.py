@@ -165,7 +165,8 @@ def calibrate(
     `config`: a preset name (``paper``, ``quick``) or YAML file; `settings` override it (any
     field of `stages.calibrate.config.CalibConfig`: ``dataset``, ``num_samples``, ``seq_len``, ``batch_size``,
     ``seed``, ``device``, ``dtype``, ``scores``, ``score_samples``, ``score_precision``,
-    ``format``, ``mx_scale``, ``weight_algo`` (``rtn``, ``awq``, ``gptq`` or ``awq+gptq``), ``awq_tokens``, ``pipeline``
+    ``format``, ``mx_scale``, ``weight_algo`` (``rtn``, ``awq``, ``gptq`` or ``awq+gptq``), ``awq_tokens``, ``gptq_order``
+    (``activation`` or ``block``), ``pipeline``
     (``auto``, ``whole`` or ``sequential``), ``moe_calib`` (``all`` or ``routed``: the tokens a
     mixture-of-experts model's experts take their statistics from)). `resume`: continue an interrupted layer-by-layer
     (sequential) run of the same `out` from its last resume point.

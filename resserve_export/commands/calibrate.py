@@ -68,13 +68,22 @@ def command(
             "--weight-algo",
             help="Weight-side algorithm: rtn (round to nearest), awq (activation-aware per-channel scales, searched under "
             "W4A4 and folded exactly into the norms / rows before each group; pack applies them), gptq (each linear quantized "
-            "column by column in the format's block order, its rounding error spread over the later columns by the inverse input "
-            "Hessian of the calibration tokens; pack writes these weights) or awq+gptq (GPTQ on the AWQ-smoothed model). gptq "
+            "column by column in the format's blocks, its rounding error spread over the later columns by the inverse input "
+            "Hessian of the calibration tokens; --gptq-order; pack writes these weights) or awq+gptq (GPTQ on the AWQ-smoothed model). gptq "
             "quantizes for --format / --mx-scale, which pack must then use." + _default(_D.weight_algo, preset=False),
         ),
     ] = None,
     awq_tokens: Annotated[
         Optional[int], typer.Option("--awq-tokens", help="Tokens per group for the AWQ scale search." + _default(_D.awq_tokens, preset=False))
+    ] = None,
+    gptq_order: Annotated[
+        Optional[str],
+        typer.Option(
+            "--gptq-order",
+            help="GPTQ's column order: activation (every block scale fixed first from the weights by the format's rule, then "
+            "the input channels by decreasing Hessian diagonal, as llm-compressor's default) or block (the blocks in order, "
+            "each block's scales chosen at its first column from the updated weights)." + _default(_D.gptq_order, preset=False),
+        ),
     ] = None,
     pipeline: Annotated[
         Optional[str],
@@ -111,7 +120,7 @@ def command(
         model, out, config=config, overwrite=overwrite, progress=not quiet, dataset=dataset, num_samples=num_samples,
         seq_len=seq_len, batch_size=batch_size, seed=seed, device=device, dtype=dtype, scores=scores,
         score_samples=score_samples, score_precision=score_precision, format=format, mx_scale=mx_scale,
-        weight_algo=weight_algo, awq_tokens=awq_tokens, pipeline=pipeline, moe_calib=moe_calib, resume=resume,
+        weight_algo=weight_algo, awq_tokens=awq_tokens, gptq_order=gptq_order, pipeline=pipeline, moe_calib=moe_calib, resume=resume,
     )
     if os.environ.get("RANK", "0") != "0":
         return  # under torchrun, rank 0 reports

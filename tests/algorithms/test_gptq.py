@@ -37,14 +37,15 @@ def _inputs(g: torch.Generator, t: int = 4096, k: int = 256) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("order", gptq.ORDERS)
 @pytest.mark.parametrize("fmt,rounding", FORMATS)
-def test_diagonal_hessian_is_round_to_nearest(fmt, rounding, gen):
+def test_diagonal_hessian_is_round_to_nearest(fmt, rounding, order, gen):
     """Without correlation between input channels no error is fed forward: GPTQ is the format's
     round-to-nearest quantization bit for bit (codes, block scales, tensor scale)."""
     w = _weight(gen)
     h = torch.diag(torch.rand(w.shape[1], generator=gen) + 0.01)
     h[7, 7] = 0.0  # a dead channel
-    q = gptq.solve(w, h, fmt, rounding=rounding)
+    q = gptq.solve(w, h, fmt, rounding=rounding, order=order)
     ref = formats.quantize(w, fmt, rounding=rounding, backend="reference")
     assert torch.equal(q.codes, ref.codes)
     assert torch.equal(bits(q.scales), bits(ref.scales))
@@ -60,14 +61,16 @@ def _w4a4_nmse(x: torch.Tensor, w: torch.Tensor, wq: torch.Tensor, fmt: str, rou
     return float(((xq @ wq.t() - y) ** 2).sum() / (y**2).sum())
 
 
+@pytest.mark.parametrize("order", gptq.ORDERS)
 @pytest.mark.parametrize("fmt,rounding", FORMATS[:2])
-def test_gptq_lowers_the_w4a4_output_error(fmt, rounding, gen):
+def test_gptq_lowers_the_w4a4_output_error(fmt, rounding, order, gen):
     """On the calibration inputs, with the activations quantized as the server quantizes them, the
-    output error of GPTQ's weights is below round to nearest's (measured here: NVFP4 0.904x, MXFP4
-    0.959x; the activations' own error, which no weight choice removes, is most of what is left),
-    and the weight part of it (activations in full precision) clearly so (0.806x, 0.836x)."""
+    output error of GPTQ's weights is below round to nearest's (measured here, activation / block
+    order: NVFP4 0.882x / 0.904x, MXFP4 0.939x / 0.959x; the activations' own error, which no
+    weight choice removes, is most of what is left), and the weight part of it (activations in
+    full precision) clearly so (0.766x / 0.806x, 0.750x / 0.836x)."""
     w, x = _weight(gen), _inputs(gen)
-    q = gptq.solve(w, x.t() @ x, fmt, rounding=rounding)
+    q = gptq.solve(w, x.t() @ x, fmt, rounding=rounding, order=order)
     rtn = formats.quantize(w, fmt, rounding=rounding, backend="reference")
     e_gptq = _w4a4_nmse(x, w, q.dequantize(), fmt, rounding)
     e_rtn = _w4a4_nmse(x, w, rtn.dequantize(), fmt, rounding)
@@ -77,6 +80,25 @@ def test_gptq_lowers_the_w4a4_output_error(fmt, rounding, gen):
     assert w4a16(q.dequantize()) < 0.87 * w4a16(rtn.dequantize())
     # ... and its weight error is larger: it trades weight error for output error
     assert float((q.dequantize() - w.float()).square().sum()) > float((rtn.dequantize() - w.float()).square().sum())
+
+
+@pytest.mark.parametrize("fmt,rounding", FORMATS)
+def test_activation_order_keeps_round_to_nearests_block_scales(fmt, rounding, gen):
+    """In activation order the block scales are fixed before any error feedback: they are the ones
+    round to nearest writes, bit for bit, and only the codes differ (columns taken by decreasing
+    Hessian diagonal). The other order chooses some scales from updated weights."""
+    w, x = _weight(gen), _inputs(gen)
+    ref = formats.quantize(w, fmt, rounding=rounding, backend="reference")
+    act = gptq.solve(w, x.t() @ x, fmt, rounding=rounding, order="activation")
+    block = gptq.solve(w, x.t() @ x, fmt, rounding=rounding, order="block")
+    assert torch.equal(bits(act.scales), bits(ref.scales))
+    assert not torch.equal(act.codes, ref.codes)
+    assert not torch.equal(bits(block.scales), bits(ref.scales))
+
+
+def test_an_unknown_order_is_refused(gen):
+    with pytest.raises(ValueError, match="unknown GPTQ order 'random'"):
+        gptq.solve(_weight(gen), torch.eye(256), "nvfp4", order="random")
 
 
 def test_gptq_keeps_the_groups_tensor_scale(gen):

@@ -61,7 +61,7 @@ def collect_by_layer(model_dir, out, config: CalibConfig, batches, show_progress
                 bar.start_at(n)
                 done[0] = n
 
-            gptq_format = (config.format, config.mx_scale) if config.weight_algo == "gptq" else None
+            gptq_format = (config.format, config.mx_scale, config.gptq_order) if config.weight_algo == "gptq" else None
             r = sequential.collect_sequential(
                 model_dir, config.device, config.dtype, batches, groups, spill, progress=step, scores=spec,
                 resume=points if gptq_format is None else None, on_resume=resumed, gptq_format=gptq_format,

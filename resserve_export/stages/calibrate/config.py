@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from resserve_export.algorithms.awq.smoothing import check_weight_algo
+from resserve_export.algorithms.gptq import ORDERS as GPTQ_ORDERS
 from resserve_export.algorithms.scores import PRECISIONS as SCORE_PRECISIONS
 from resserve_export.algorithms.scores.device import fast_bf16
 from resserve_export.core import devices
@@ -48,6 +49,7 @@ class CalibConfig:
     mx_scale: str = "ceil"
     weight_algo: str = "rtn"
     awq_tokens: int = 2048
+    gptq_order: str = "activation"
     pipeline: str = "auto"
     moe_calib: str = "all"
 
@@ -70,6 +72,8 @@ class CalibConfig:
         if self.dtype not in LOAD_DTYPES:
             raise UserError(f"--dtype must be one of {', '.join(LOAD_DTYPES)}, got {self.dtype!r}")
         check_weight_algo(self.weight_algo)
+        if self.gptq_order not in GPTQ_ORDERS:
+            raise UserError(f"--gptq-order must be one of {', '.join(GPTQ_ORDERS)}, got {self.gptq_order!r}")
         if self.pipeline not in PIPELINES:
             raise UserError(f"--pipeline must be one of {', '.join(PIPELINES)}, got {self.pipeline!r}")
         if self.moe_calib not in MOE_CALIB:

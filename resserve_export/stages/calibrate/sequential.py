@@ -77,7 +77,7 @@ class _Passes:
         self, shell: Shell, batches, groups, spill: Path, kv: bool, scores: ScoreSpec | None, score_batches, combine, gptq_format=None,
     ):
         self.shell, self.batches, self.groups, self.scores, self.combine = shell, batches, groups, scores, combine
-        # ``--weight-algo gptq``: (format, MX scale rounding), and what it quantized so far.
+        # ``--weight-algo gptq``: (format, MX scale rounding, column order), and what it quantized so far.
         self.gptq_format = gptq_format
         self.gptq_out: dict = {}
         self.gptq_fallback: dict = {}
@@ -171,11 +171,11 @@ class _Passes:
                 hc.remove()
         col.check_finite()
         if hc is not None:
-            fmt, rounding = self.gptq_format
+            fmt, rounding, order = self.gptq_format
             for g in mine:
                 h, rows = hc.take(g.modules[0])
                 ws = [self.shell.model.get_submodule(m).weight.detach() for m in g.modules]
-                gptq.quantize_group(g, ws, h, rows, fmt, rounding, self.gptq_out, self.gptq_fallback)
+                gptq.quantize_group(g, ws, h, rows, fmt, rounding, self.gptq_out, self.gptq_fallback, order=order)
         self.captured[li] = []
         if self.sb:
             col.paused = True
@@ -201,8 +201,8 @@ class _Passes:
         col.remove()
         result = SequentialResult(stats, num_tokens, kv_stats, kv_problem, None)
         if self.gptq_format is not None:
-            fmt, rounding = self.gptq_format
-            result.gptq, result.gptq_record = self.gptq_out, gptq.record(fmt, rounding, self.gptq_out, self.gptq_fallback)
+            fmt, rounding, order = self.gptq_format
+            result.gptq, result.gptq_record = self.gptq_out, gptq.record(fmt, rounding, self.gptq_out, self.gptq_fallback, order=order)
         return result
 
     def backward(self, result: SequentialResult, progress, resume, at=None, log=None) -> dict:
@@ -217,7 +217,7 @@ class _Passes:
 def collect_sequential(
     model_dir: Path, device: str, dtype: str, batches: list[dict], groups, spill: Path, progress=None, kv: bool = True,
     scores: ScoreSpec | None = None, resume=None, on_resume=None, score_batches: list | None = None, combine=None,
-    score_log: dict | None = None, gptq_format: tuple[str, str] | None = None,
+    score_log: dict | None = None, gptq_format: tuple[str, str, str] | None = None,
 ) -> SequentialResult:
     """Statistics of a whole-model `calibrate.collect`, layer by layer, and with `scores` the
     grad scores of `scores.compute_scores` by layer-wise recomputation. `spill`: a directory for
@@ -229,7 +229,7 @@ def collect_sequential(
     (else the first ``scores.samples`` of `batches`), ``combine(collector, kv collector)`` that
     returns the statistics of all ranks (stats, num_tokens, kv statistics, why none), and
     `score_log` for its score additions (`scores.grad.ScoreSums`). `gptq_format`: (format, MX
-    scale rounding) of ``--weight-algo gptq``, whose linears are quantized at the end of their
+    scale rounding, `gptq.ORDERS` column order) of ``--weight-algo gptq``, whose linears are quantized at the end of their
     layer's pass from that pass's Hessians (no resume points: the caller passes none)."""
     shell = open_shell(model_dir, device, dtype)
     if gptq_format is not None and resume is not None:

@@ -105,7 +105,8 @@ def run_gptq(net, batches, groups, config: CalibConfig, weight_algo: dict, show_
     fields kept)."""
     with Progress("GPTQ", len(groups), unit="groups", enabled=show_progress) as bar:
         quantized, record = gptq.quantize_model(
-            net, batches, groups, config.format, config.mx_scale, blocks=list(blocks), progress=lambda: bar.advance(1)
+            net, batches, groups, config.format, config.mx_scale, blocks=list(blocks), progress=lambda: bar.advance(1),
+            order=config.gptq_order,
         )
     if weight_algo.get("name", "rtn") != "rtn":
         record = {**weight_algo, **record, "name": config.weight_algo}

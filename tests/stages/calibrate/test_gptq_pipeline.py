@@ -48,7 +48,7 @@ def setup(tmp_path_factory):
     calibs = {}
     for key, algo, kw in (
         ("rtn", "rtn", {"scores": "grad"}), ("gptq", "gptq", {"scores": "grad"}), ("awq+gptq", "awq+gptq", {}),
-        ("gptq-mx", "gptq", {"format": "mxfp4", "mx_scale": "even"}),
+        ("gptq-mx", "gptq", {"format": "mxfp4", "mx_scale": "even"}), ("gptq-block", "gptq", {"gptq_order": "block"}),
     ):
         calibs[key] = cal.calibrate(str(model), root / f"calib-{key}", _config(texts, algo, **kw), show_progress=False).path
     return root, model, texts, calibs
@@ -59,14 +59,15 @@ def _meta(calib) -> dict:
 
 
 @GPTQ
-@pytest.mark.parametrize("key", ["gptq", "awq+gptq", "gptq-mx"])
+@pytest.mark.parametrize("key", ["gptq", "awq+gptq", "gptq-mx", "gptq-block"])
 def test_pack_writes_the_calibrations_gptq_tensors(setup, key, tmp_path):
     """Every quantized linear's codes, block scales and tensor scale are the calibration's GPTQ
     tensors bit for bit; the extension is ``[W_S | 0]`` of their dequantized weights."""
     _, model, _, calibs = setup
     calib = calibs[key]
     rec = _meta(calib)["weight_algo"]
-    assert rec["name"] == key.removesuffix("-mx") and rec["gptq_file"] == gptq.FILE and rec["rounded_to_nearest"] == {}
+    assert rec["name"] == key.removesuffix("-mx").removesuffix("-block") and rec["gptq_file"] == gptq.FILE and rec["rounded_to_nearest"] == {}
+    assert rec["gptq_order"] == ("block" if key.endswith("-block") else "activation")
     fmt, rounding = rec["format"], rec["mx_scale_rounding"] or "ceil"
     assert ("groups" in rec) == key.startswith("awq")  # the AWQ record is kept beside GPTQ's
     out = pack(model, calib, tmp_path / "ck", fmt, ratio=0.25, mx_scale=rounding, progress=False).out
@@ -97,12 +98,13 @@ def test_gptq_lowers_the_output_error_on_the_calibration_text(setup):
     GPTQ checkpoint below the round-to-nearest one's; the stored weights check out."""
     root, model, texts, calibs = setup
     reps = {}
-    for key in ("rtn", "gptq"):
+    for key in ("rtn", "gptq", "gptq-block"):
         out = pack(model, calibs[key], root / f"verify-{key}", "nvfp4", ratio=0.0, progress=False).out
         reps[key] = verify(out, str(model), text=str(texts), samples=8, seq_len=64, calib=calibs[key], device="cpu")
-    assert reps["gptq"]["weights_match_reference"] is True and reps["gptq"]["weight_algo"] == "gptq"
+    for key in ("gptq", "gptq-block"):
+        assert reps[key]["weights_match_reference"] is True and reps[key]["weight_algo"] == "gptq"
     plain = {k: r["nmse"]["pooled"]["plain"] for k, r in reps.items()}
-    assert plain["gptq"] < 0.97 * plain["rtn"], plain
+    assert plain["gptq"] < 0.97 * plain["rtn"] and plain["gptq-block"] < 0.97 * plain["rtn"], plain
 
 
 @GPTQ
@@ -169,6 +171,7 @@ def test_the_sequential_pipeline_gives_the_same_gptq_weights(setup, tmp_path):
         (["--weight-algo", "awq+gptq", "--pipeline", "sequential"], "--weight-algo awq+gptq needs --pipeline whole for now"),
         (["--weight-algo", "gptq", "--pipeline", "sequential", "--resume"], "--resume does not continue a GPTQ calibration"),
         (["--weight-algo", "spqr"], "unknown --weight-algo 'spqr': choose one of rtn, awq, gptq, awq+gptq"),
+        (["--weight-algo", "gptq", "--gptq-order", "random"], "--gptq-order must be one of activation, block, got 'random'"),
     ],
 )
 def test_what_gptq_does_not_do_is_one_line(setup, extra, needle, tmp_path):
