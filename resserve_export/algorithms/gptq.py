@@ -117,25 +117,18 @@ def solve(
     if order == "activation":
         return _solve_activation_order(f, W, h, alpha, rounding, damp)
     U = inverse_factor(h.to(W.device), damp)
-    codes = torch.empty((N, K), dtype=torch.uint8, device=W.device)
-    scales = []
-    for i1 in range(0, K, UPDATE_COLUMNS):
-        i2 = min(i1 + UPDATE_COLUMNS, K)
-        W1 = W[:, i1:i2]
-        E1 = torch.zeros_like(W1)
-        U1 = U[i1:i2, i1:i2]
-        for j in range(i2 - i1):
-            if j % b == 0:
-                _, s = f.quantize_blocks(W1[:, j : j + b], alpha, rounding)
-                scales.append(s)
-                unit = _unit(f, s, alpha)
-            x = W1[:, j]
-            c = encode_e2m1(x / unit)
-            codes[:, i1 + j] = c
-            err = (x - decode_e2m1(c) * unit) / U1[j, j]
-            W1[:, j + 1 :] -= err.unsqueeze(1) * U1[j, j + 1 :].unsqueeze(0)
-            E1[:, j] = err
-        W[:, i2:] -= E1 @ U[i1:i2, i2:]
+    scales: list[torch.Tensor] = []
+    unit = None
+
+    def unit_at(col: int, W1: torch.Tensor, j: int) -> torch.Tensor:
+        nonlocal unit
+        if col % b == 0:  # a block's first column: its scales from the values as they are now
+            _, s = f.quantize_blocks(W1[:, j : j + b], alpha, rounding)
+            scales.append(s)
+            unit = _unit(f, s, alpha)
+        return unit
+
+    codes = _feedback(W, U, unit_at)
     return FP4Tensor(f.name, pack_fp4(codes), torch.stack(scales, dim=1), alpha)
 
 
@@ -147,26 +140,37 @@ def _solve_activation_order(f: registry.Format, W: torch.Tensor, h: torch.Tensor
     _, scales = f.quantize_blocks(W.reshape(-1, b), alpha, rounding)
     units = _unit(f, scales.reshape(-1), alpha).reshape(N, K // b)
     perm = torch.argsort(h.diagonal().float(), descending=True, stable=True).to(W.device)
-    Wp = W[:, perm]
     U = inverse_factor(h.to(W.device)[perm][:, perm], damp)
     unit_p = units[:, perm // b]
-    codes_p = torch.empty((N, K), dtype=torch.uint8, device=W.device)
-    for i1 in range(0, K, UPDATE_COLUMNS):
-        i2 = min(i1 + UPDATE_COLUMNS, K)
-        W1 = Wp[:, i1:i2]
-        E1 = torch.zeros_like(W1)
-        U1 = U[i1:i2, i1:i2]
-        for j in range(i2 - i1):
-            x, unit = W1[:, j], unit_p[:, i1 + j]
-            c = encode_e2m1(x / unit)
-            codes_p[:, i1 + j] = c
-            err = (x - decode_e2m1(c) * unit) / U1[j, j]
-            W1[:, j + 1 :] -= err.unsqueeze(1) * U1[j, j + 1 :].unsqueeze(0)
-            E1[:, j] = err
-        Wp[:, i2:] -= E1 @ U[i1:i2, i2:]
+    codes_p = _feedback(W[:, perm], U, lambda col, W1, j: unit_p[:, col])
     codes = torch.empty_like(codes_p)
     codes[:, perm] = codes_p
     return FP4Tensor(f.name, pack_fp4(codes), scales.reshape(N, K // b), alpha)
+
+
+def _feedback(W: torch.Tensor, U: torch.Tensor, unit_of) -> torch.Tensor:
+    """GPTQ's column loop over `W` ``[N, K]`` (changed in place) with `U`, the upper Cholesky
+    factor of the dampened ``H⁻¹`` in the same column order: each column rounded to E2M1 codes
+    with the per-row unit that ``unit_of(column, W1, j)`` returns (what code 1.0 decodes to; `W1` is
+    the current update window, the column its `j`-th), its error fed into the later columns,
+    `UPDATE_COLUMNS` at a time. The codes ``[N, K]`` (uint8, unpacked)."""
+    N, K = W.shape
+    codes = torch.empty((N, K), dtype=torch.uint8, device=W.device)
+    for i1 in range(0, K, UPDATE_COLUMNS):
+        i2 = min(i1 + UPDATE_COLUMNS, K)
+        W1 = W[:, i1:i2]
+        E1 = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for j in range(i2 - i1):
+            unit = unit_of(i1 + j, W1, j)
+            x = W1[:, j]
+            c = encode_e2m1(x / unit)
+            codes[:, i1 + j] = c
+            err = (x - decode_e2m1(c) * unit) / U1[j, j]
+            W1[:, j + 1 :] -= err.unsqueeze(1) * U1[j, j + 1 :].unsqueeze(0)
+            E1[:, j] = err
+        W[:, i2:] -= E1 @ U[i1:i2, i2:]
+    return codes
 
 
 # ----------------------------------------------------------------------------- a whole model
