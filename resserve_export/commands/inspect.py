@@ -57,7 +57,10 @@ def command(
     if "awq" in wa["name"].split("+"):
         con.print(f"weights: AWQ-smoothed ({wa.get('smoothed_groups')} groups; scales in the calibration directory, SHA-256 {wa.get('scales_sha256', '')[:12]}…)")
     if "gptq" in wa["name"].split("+"):
-        con.print(f"weights: GPTQ (codes and scales from the calibration directory's GPTQ weights, SHA-256 {wa.get('gptq_sha256', '')[:12]}…)")
+        con.print(
+            f"weights: GPTQ in {wa.get('gptq_order', 'block')} order (codes and scales from the calibration directory's GPTQ "
+            f"weights, SHA-256 {wa.get('gptq_sha256', '')[:12]}…)"
+        )
     con.print(
         f"quantized linears {b['quantized_linears']:,} B, unquantized {b['unquantized']:,} B, "
         f"KV-cache scales {b['kv_cache_scales']:,} B, sidecar {b['sidecar']:,} B, all files {b['all_files']:,} B"

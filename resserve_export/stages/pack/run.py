@@ -194,6 +194,8 @@ def _provenance(inputs: PackInputs, calib: Path, ratio: float | None) -> dict:
         algo = provenance.setdefault("weight_algo", {})
         algo["name"] = inputs.calibration["weight_algo"]["name"]
         algo["gptq_sha256"] = file_digest(inputs.gptq.path)
+        # calibrations from before --gptq-order took the columns in block order
+        algo["gptq_order"] = inputs.calibration["weight_algo"].get("gptq_order", "block")
     return provenance
 
 

@@ -84,6 +84,7 @@ def test_pack_writes_the_calibrations_gptq_tensors(setup, key, tmp_path):
         ext = extend_weight(q.dequantize(), mask, 0.25, fmt, rounding, alpha=q.global_scale, backend="reference")
         assert torch.equal(pk.mask, mask) and torch.equal(pk.ext.codes, ext.codes) and torch.equal(bits(pk.ext.scales), bits(ext.scales))
     shown = run_main("inspect", str(out)).stdout
+    assert f"weights: GPTQ in {rec['gptq_order']} order" in shown.replace("\n", " "), shown
     assert ("weights: GPTQ" in shown) and (("weights: AWQ-smoothed" in shown) == key.startswith("awq")), shown
     # GPTQ moved codes away from round to nearest (the same α: only the error feedback differs)
     rtn = read_checkpoint(pack(model, calibs["rtn"], tmp_path / "rtn", fmt, ratio=0.0, mx_scale=rounding, progress=False).out)
