@@ -350,22 +350,18 @@ def chart(plan: dict, fileobj) -> None:
     plt.close(fig)
 
 
-def load_plan(path: Path, *, fingerprint: str | None = None, modules: list[str] | None = None, check_weights=None) -> dict:
+def load_plan(path: Path, *, modules: list[str] | None = None, check_weights=None) -> dict:
     """Read and validate a plan.json (for `pack`).
 
-    fingerprint: the model's `modelio.fingerprint`; a plan made from other weights is an error
-    (None skips the check, as ``--allow-other-weights`` does). check_weights: instead, a
-    function given the plan's record that makes that check (at once or later).
+    check_weights: a function given the plan's record that raises when the plan was made from
+    other weights than the model's (at once, or later when the model's fingerprint is still being
+    hashed); None skips the check, as ``--allow-other-weights`` does.
     modules: the model's quantized linears; every one must get exactly one ratio from the plan.
     """
     path = Path(path)
     if not path.exists():
         raise UserError(f"plan {path} does not exist: run `resserve-export plan --calib DIR --budget B` first")
     plan = _read_json(path, "plan")
-    if fingerprint is not None:
-        from resserve_export.modeling.modelio import check_fingerprint
-
-        check_fingerprint(plan, fingerprint, f"plan {path}")
     if check_weights is not None:
         check_weights(plan)
     groups = plan.get("groups")

@@ -107,14 +107,16 @@ def read_calibration(calib: Path, model_fingerprint: ModelFingerprint, allow_oth
 
 
 def load_calibration(
-    calib: Path, model_fingerprint: ModelFingerprint, groups: list[Group], allow_other_weights: bool = False
+    calib: Path, model_fingerprint: ModelFingerprint, groups: list[Group], allow_other_weights: bool = False, meta: dict | None = None,
 ) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """(calibration.json, {module: (mean_abs, amax)}) checked against the model.
+    """(calibration.json, {module: (mean_abs, amax)}) checked against the model; `meta`: the
+    calibration.json `read_calibration` already returned, if it was read.
 
     Every amax must be finite and positive (it becomes a scale).
     """
     calib = Path(calib)
-    meta = read_calibration(calib, model_fingerprint, allow_other_weights)
+    if meta is None:
+        meta = read_calibration(calib, model_fingerprint, allow_other_weights)
     sal = SafetensorsFiles([calib / "salience.safetensors"])
     missing = [m for g in groups for m in g.modules if f"{m}.mean_abs" not in sal or f"{m}.amax" not in sal]
     if missing:
@@ -353,9 +355,10 @@ def _read_inputs(
     families.check_experts_layout(cfg, experts_layout, "packed")
     # The quantized linears and their fused groups are the ones calibrate found on the loaded
     # model (one rule), not re-derived from the headers.
-    recorded = read_calibration(calib, fingerprint, allow_other_weights).get("groups")
+    meta = read_calibration(calib, fingerprint, allow_other_weights)
+    recorded = meta.get("groups")
     groups = recorded_groups(recorded, shapes) if recorded else model_groups(shapes)
-    calib_meta, stats = load_calibration(calib, fingerprint, groups, allow_other_weights)
+    calib_meta, stats = load_calibration(calib, fingerprint, groups, allow_other_weights, meta)
     smoothing = Smoothing.from_calibration(calib, calib_meta, shapes)
     if smoothing is not None:
         check_awq_format(calib_meta["weight_algo"], calib, fmt, rounding)

@@ -85,7 +85,7 @@ def test_plan_contract_and_budget(calib, capsys):
     assert math.isclose(plan["objective"], sum(g["score"] for g in plan["groups"]))
     # Uniform 0.25 costs the same bits; the optimum can only be better.
     assert plan["objective"] < sum(g["scores"]["0.25"] for g in scores["groups"])
-    ratios = P.module_ratios(P.load_plan(calib / "plan.json", fingerprint="f00"))
+    ratios = P.module_ratios(P.load_plan(calib / "plan.json", check_weights=_weights_of("f00")))
     assert len(ratios) == sum(len(g["modules"]) for g in scores["groups"])
 
 
@@ -157,10 +157,15 @@ def test_no_scores_is_an_error(tmp_path, capsys):
     assert code == 2 and "not valid JSON" in err
 
 
+def _weights_of(fingerprint: str):
+    """What pack passes as `check_weights`: the plan must come from weights with `fingerprint`."""
+    return lambda record: modelio.check_fingerprint(record, fingerprint, "plan")
+
+
 def test_load_plan_rejects_other_model(calib, capsys):
     run_ok(["plan", "--calib", str(calib), "--budget", "5"], capsys)
     with pytest.raises(Exception, match="other weights"):
-        P.load_plan(calib / "plan.json", fingerprint="other")
+        P.load_plan(calib / "plan.json", check_weights=_weights_of("other"))
     with pytest.raises(Exception, match="made for another model"):
         P.load_plan(calib / "plan.json", modules=["model.layers.0.self_attn.q_proj"])
 
