@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from resserve_export.algorithms.awq.smoothing import check_weight_algo
+from resserve_export.algorithms.gptq import ORDER as GPTQ_ORDER
 from resserve_export.algorithms.gptq import ORDERS as GPTQ_ORDERS
 from resserve_export.algorithms.scores import PRECISIONS as SCORE_PRECISIONS
 from resserve_export.algorithms.scores.device import fast_bf16
@@ -49,7 +50,7 @@ class CalibConfig:
     mx_scale: str = "ceil"
     weight_algo: str = "rtn"
     awq_tokens: int = 2048
-    gptq_order: str = "activation"
+    gptq_order: str = GPTQ_ORDER
     pipeline: str = "auto"
     moe_calib: str = "all"
 

@@ -106,17 +106,13 @@ def read_calibration(calib: Path, model_fingerprint: ModelFingerprint, allow_oth
     return meta
 
 
-def load_calibration(
-    calib: Path, model_fingerprint: ModelFingerprint, groups: list[Group], allow_other_weights: bool = False, meta: dict | None = None,
-) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """(calibration.json, {module: (mean_abs, amax)}) checked against the model; `meta`: the
-    calibration.json `read_calibration` already returned, if it was read.
+def load_statistics(calib: Path, groups: list[Group]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{module: (mean_abs, amax)} of every member of `groups` from the salience file of `calib`
+    (a directory `read_calibration` accepted), checked against the groups' shapes.
 
     Every amax must be finite and positive (it becomes a scale).
     """
     calib = Path(calib)
-    if meta is None:
-        meta = read_calibration(calib, model_fingerprint, allow_other_weights)
     sal = SafetensorsFiles([calib / "salience.safetensors"])
     missing = [m for g in groups for m in g.modules if f"{m}.mean_abs" not in sal or f"{m}.amax" not in sal]
     if missing:
@@ -134,7 +130,7 @@ def load_calibration(
                     "re-run calibrate (with --dtype float32 if the model overflows)"
                 )
             stats[m] = (mean_abs, amax)
-    return meta, stats
+    return stats
 
 
 def check_format_arg(fmt: str) -> registry.Format:
@@ -355,10 +351,10 @@ def _read_inputs(
     families.check_experts_layout(cfg, experts_layout, "packed")
     # The quantized linears and their fused groups are the ones calibrate found on the loaded
     # model (one rule), not re-derived from the headers.
-    meta = read_calibration(calib, fingerprint, allow_other_weights)
-    recorded = meta.get("groups")
+    calib_meta = read_calibration(calib, fingerprint, allow_other_weights)
+    recorded = calib_meta.get("groups")
     groups = recorded_groups(recorded, shapes) if recorded else model_groups(shapes)
-    calib_meta, stats = load_calibration(calib, fingerprint, groups, allow_other_weights, meta)
+    stats = load_statistics(calib, groups)
     smoothing = Smoothing.from_calibration(calib, calib_meta, shapes)
     if smoothing is not None:
         check_awq_format(calib_meta["weight_algo"], calib, fmt, rounding)
@@ -373,7 +369,7 @@ def _read_inputs(
 
 
 __all__ = [
-    "DEPTH_ENV", "read_calibration", "load_calibration", "check_format_arg", "check_ratio_arg", "load_ratios",
+    "DEPTH_ENV", "read_calibration", "load_statistics", "check_format_arg", "check_ratio_arg", "load_ratios",
     "check_plan_format", "check_awq_format", "check_gptq_format", "kv_tensors", "pipeline_depth", "check_experts_layout", "PackArgs", "check_args",
     "PackInputs", "read_inputs", "ModelFingerprint",
 ]
