@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from resserve_export.core.errors import UserError
 from resserve_export.modeling.experts import MOE_CALIB, ExpertBlock, biases, fused_modules, gated
 from resserve_export.modeling.hooks import Observer
-from resserve_export.observers import segment_stats
+from resserve_export.observers import banded, segment_stats
 from resserve_export.observers.finite import finite_each
 
 # Rows of sorted (token, expert) pairs reduced at a time into per-expert statistics (bounds the
@@ -87,10 +87,11 @@ def _segment_stats_gemm(rows, weight, lengths, acc_sum, acc_amax) -> None:
 def every_expert_stats(mod, x, acc_sum, acc_amax, chunk_bytes: int = EXPERT_CHUNK_BYTES, scales=None, acc_in=None) -> None:
     """``--moe-calib all``: Σ|act(gate)·up| and its amax for every expert on every row of ``x``,
     the experts taken `chunk_bytes` of products at a time, each chunk's gate/up products one batched
-    GEMM over its experts (one launch, not one per expert). On a GPU the chunk's statistics are
-    two reductions over its rows (float64 sums: exact for bf16 / fp16 products, so in any order
-    the one-hot product of `_segment_stats_gemm` gives); on the CPU each expert's rows go
-    through `_segment_stats`, whose float32 reduction fixes the order.
+    GEMM over its experts (one launch, not one per expert). On a GPU the bf16 / fp16 sums are
+    exact per exponent band (`banded`: the same in any order, and the plain float64 sum wherever
+    that one is exact), taken with Triton in one pass over the products for ``F.silu`` experts
+    (act·up is then never written); float32 sums are one float64 reduction per expert. On the CPU
+    each expert's rows go through `_segment_stats`, whose float32 reduction fixes the order.
 
     With `scales` (``[rows, E]``; experts whose routing weight scales their input, Llama 4) expert
     e reads ``x · scales[:, e]``, rounded to x's dtype as the model's forward rounds it, and the
@@ -99,7 +100,9 @@ def every_expert_stats(mod, x, acc_sum, acc_amax, chunk_bytes: int = EXPERT_CHUN
     w = mod.gate_up_proj  # [E, 2I, H]
     gate_up_bias = biases(mod)[0]
     E, n = w.shape[0], x.shape[0]
-    per_expert = max(1, n * w.shape[1] * 2 * x.element_size())  # the gate/up product and act·up
+    # bf16 / fp16 on a GPU with Triton: silu(gate)·up reduced as it is computed (`banded`)
+    fused = x.dtype in banded.EXACT_DTYPES and _plain_silu(mod) and banded.available(x.device)
+    per_expert = max(1, n * w.shape[1] * (1 if fused else 2) * x.element_size())  # the gate/up product (and act·up)
     if scales is not None:
         per_expert += n * x.shape[1] * x.element_size()  # the expert's scaled input
     step = max(1, min(E, chunk_bytes // per_expert))
@@ -123,19 +126,36 @@ def every_expert_stats(mod, x, acc_sum, acc_amax, chunk_bytes: int = EXPERT_CHUN
             prod = torch.matmul(xe, w[e0:e1].transpose(-2, -1))
         if gate_up_bias is not None:
             prod += gate_up_bias[e0:e1, None, :].to(prod.dtype)
+        if fused and banded.silu_stats(prod, acc_sum[e0:e1], acc_amax[e0:e1]):
+            continue  # act·up's statistics straight from the products, act·up never in memory
         gate, up = prod.chunk(2, dim=-1)
         h = gated(mod, gate, up)  # [experts, rows, I]
         _rows_stats(h, ones, seg, acc_sum[e0:e1], acc_amax[e0:e1])
 
 
+def _plain_silu(mod) -> bool:
+    """Whether the experts compute ``F.silu(gate) · up`` (no clamped GLU of their own)."""
+    act = getattr(mod, "act_fn", None)
+    if getattr(mod, "glu", None) is not None or act is None:
+        return False
+    return act is F.silu or isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
 def _rows_stats(h, ones, seg, acc_sum, acc_amax) -> None:
     """Σ|h| and amax over the rows of each expert's ``h[c]`` (``[experts, rows, width]``) into
-    ``acc_sum[c]`` / ``acc_amax[c]``, as `every_expert_stats` takes them on the device."""
+    ``acc_sum[c]`` / ``acc_amax[c]``, as `every_expert_stats` takes them on the device: bf16 /
+    fp16 sums exact per exponent band (`banded`), the same with the Triton kernel as without."""
     if h.device.type == "cpu":
         for c in range(h.shape[0]):
             _segment_stats(h[c], ones, seg, acc_sum[c : c + 1], acc_amax[c : c + 1])
         return
-    acc_sum += torch.linalg.vector_norm(h, ord=1, dim=1, dtype=torch.float64)
+    if h.dtype in banded.EXACT_DTYPES:
+        if banded.available(h.device):
+            banded.abs_stats(h, acc_sum, acc_amax)
+            return
+        acc_sum += banded.exact_abs_sums(h)
+    else:
+        acc_sum += torch.linalg.vector_norm(h, ord=1, dim=1, dtype=torch.float64)
     peak = torch.linalg.vector_norm(h, ord=float("inf"), dim=(1, 2)).float()
     acc_amax.copy_(torch.maximum(acc_amax, peak))
 

@@ -316,10 +316,15 @@ SMALL, MODEL_SIZED = (7, 37, 64, 48), (16, 301, 2048, 768)  # experts, rows, hid
 def test_every_expert_chunks_equal_the_per_expert_loop(device, dtype, shape, scaled):
     """``--moe-calib all``'s batched GEMMs over chunks of experts give the statistics of one GEMM
     per expert bit for bit (the loop the collector ran before), for every chunk size: one expert,
-    several chunks with a remainder, all experts at once. The loop reduces as the collector always
-    did: in float32 by `torch.segment_reduce` on the CPU, exactly (float64) on a GPU. `scaled`
-    (Llama 4): expert e reads every row times its score for e, rounded to the dtype as the model
-    rounds it, and the statistics of those inputs are taken too."""
+    several chunks with a remainder, all experts at once. The loop reduces as the collector
+    does: in float32 by `torch.segment_reduce` on the CPU; on a GPU bf16 sums exact per exponent
+    band (`banded`, computed here on the CPU by its eager reference from the GPU's act·up, while
+    the collector fuses act·up into the Triton reduction), float32 ones in float64. The
+    model-sized data holds very negative gates (silu ≈ 1e-20 beside values near 10), where a plain float64 sum's
+    bits depend on its order. `scaled` (Llama 4): expert e reads every row times its score for
+    e, rounded to the dtype as the model rounds it, and the statistics of those inputs are
+    taken too."""
+    from resserve_export.observers import banded
     from resserve_export.observers.experts import every_expert_stats
 
     g = torch.Generator().manual_seed(3)
@@ -334,6 +339,8 @@ def test_every_expert_chunks_equal_the_per_expert_loop(device, dtype, shape, sca
     def reduce(a):
         if device == "cpu":
             return torch.segment_reduce(a.float(), "sum", lengths=torch.tensor([n]), axis=0, initial=0)[0].double().cpu()
+        if a.dtype in banded.EXACT_DTYPES:
+            return banded.exact_abs_sums(a.cpu()[None])[0]
         return a.double().sum(0).cpu()
 
     ref_sum = torch.zeros(E, I, dtype=torch.float64)
