@@ -43,8 +43,15 @@ SHAPES = {
 
 
 def random_model(path: Path, shape: str, device: str) -> int:
+    """Write the random model (kept when `path` already holds it: a second run with the same
+    ``--dir`` reuses it) and return the bytes of one decoder layer."""
+    import json
+
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    made = path / "bench-layer-bytes.json"
+    if made.exists():
+        return json.loads(made.read_text())["layer_bytes"]
     torch.manual_seed(0)
     cfg = Qwen3Config(**SHAPES[shape], max_position_embeddings=4096)
     with torch.device(device):
@@ -52,6 +59,7 @@ def random_model(path: Path, shape: str, device: str) -> int:
     model.save_pretrained(path)
     layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
     del model
+    made.write_text(json.dumps({"layer_bytes": layer_bytes}))
     return layer_bytes
 
 
@@ -82,6 +90,76 @@ def peak(device: str) -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else float("nan")
 
 
+def profile_sequential(model_dir: Path, device: str, batches, groups, spill: Path) -> None:
+    """One more sequential run with timers around its phases (the device synchronised at each
+    boundary, so the phases do not overlap as they do unprofiled), printed as a table, with the
+    device's peak memory inside the first layer pass that is not layer 0."""
+    from resserve_export.stages.calibrate import shell as shell_mod
+
+    spent: dict[str, list[float]] = {}
+    peaks: dict[str, float] = {}
+
+    def timed(owner, name: str, label: str):
+        real = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            sync(device)
+            t0 = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                sync(device)
+                spent.setdefault(label, []).append(time.perf_counter() - t0)
+
+        setattr(owner, name, wrapper)
+        return real
+
+    def layer_peak(real):
+        def wrapper(self, li, progress):
+            if li == 1 and device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated() / 2**30
+            out = real(self, li, progress)
+            if li == 1 and device.startswith("cuda"):
+                peaks["allocated before layer 1's pass"] = before
+                peaks["peak during layer 1's pass"] = torch.cuda.max_memory_allocated() / 2**30
+            return out
+        return wrapper
+
+    patched = [
+        (shell_mod.LayerReader, "place", "place (wait for the read, copy to the device)"),
+        (shell_mod.LayerReader, "unload", "unload"),
+        (sequential, "release_host_memory", "release_host_memory (gc + malloc_trim)"),
+        (sequential, "capture", "capture pass"),
+        (sequential, "open_shell", "open_shell"),
+        (sequential.StatsCollector, "check_finite", "check_finite"),
+        (sequential.StatsCollector, "result", "statistics result"),
+    ]
+    saved = [(o, n, timed(o, n, label)) for o, n, label in patched]
+    real_layer = sequential._Passes._layer
+    timed(sequential._Passes, "_layer", "layer passes (compute + hooks)")
+    inner = sequential._Passes._layer
+    sequential._Passes._layer = layer_peak(inner)
+    try:
+        t = time.perf_counter()
+        sequential.collect_sequential(model_dir, device, "bfloat16", batches, groups, spill)
+        sync(device)
+        total = time.perf_counter() - t
+    finally:
+        for o, n, real in saved:
+            setattr(o, n, real)
+        sequential._Passes._layer = real_layer
+        shutil.rmtree(spill, ignore_errors=True)
+    print(f"\nsequential, profiled: {total:.2f} s in all\n")
+    print("| phase | calls | s | share |")
+    print("|---|---:|---:|---:|")
+    for label, ts in spent.items():
+        print(f"| {label} | {len(ts)} | {sum(ts):.2f} | {sum(ts) / total:.0%} |")
+    print(f"| (the rest) | | {total - sum(sum(v) for k, v in spent.items() if k != 'check_finite'):.2f} | |")
+    for k, v in peaks.items():
+        print(f"{k}: {v:.2f} GiB")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -93,6 +171,8 @@ def main() -> None:
     ap.add_argument("--score-samples", type=int, default=8)
     ap.add_argument("--resume", action="store_true", help="also time sequential with a resume point after every layer")
     ap.add_argument("--dir", default=None, help="where to write the random model (default: a temporary directory)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also time the sequential run's phases (each timed region synchronises the device, so this run is slower)")
     args = ap.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-scale-"))
     model_dir = root / f"random-{args.shape}"
@@ -127,6 +207,9 @@ def main() -> None:
     t_seq = time.perf_counter() - t
     p_seq = peak(args.device)
     same = all(torch.equal(whole[m]["mean_abs"], seq[m]["mean_abs"]) and torch.equal(whole[m]["amax"], seq[m]["amax"]) for m in whole)
+
+    if args.profile:
+        profile_sequential(model_dir, args.device, batches, groups, spill)
 
     t_resume = None
     if args.resume:

@@ -105,7 +105,7 @@ def grad_scores_backward(shell: Shell, sb, s_inputs, s_kwargs, groups, stats, sp
                 pending = reader.submit(li - 1)
             _layer_backward(shell, li, sb, s_inputs[li], s_kwargs[li], grads, groups, stats, spec, precision == "bf16", sums, progress)
             reader.unload(li)
-            release_host_memory()
+            release_host_memory(shell.device)
             if save is not None:
                 save(li, grads, sums, tokens)
     if log is not None:

@@ -138,7 +138,7 @@ class _Passes:
                     pending = reader.submit(li + 1)
                 self._layer(li, progress)
                 reader.unload(li)
-                release_host_memory()
+                release_host_memory(self.shell.device)
                 if resume is not None and resume.due():
                     for i in range(li + 2 if self.sb else 0):
                         resume.save_inputs(i, self.s_inputs[i].all_host())
