@@ -90,4 +90,17 @@ def triton_modules():
     return triton, tl
 
 
-__all__ = ["RECOMPILE_LIMIT", "compile_or_eager", "triton_modules"]
+def triton_kernel(build):
+    """Decorator: ``build(triton, tl)`` (which defines and returns a Triton kernel) becomes a
+    function of no arguments that builds it once and returns it, or None where Triton is
+    missing (`triton_modules`)."""
+
+    @functools.lru_cache(maxsize=None)
+    def get():
+        mods = triton_modules()
+        return None if mods is None else build(*mods)
+
+    return get
+
+
+__all__ = ["RECOMPILE_LIMIT", "compile_or_eager", "triton_modules", "triton_kernel"]

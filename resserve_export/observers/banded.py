@@ -34,7 +34,7 @@ import os
 import torch
 from torch.nn import functional as F
 
-from resserve_export.core.compiling import triton_modules
+from resserve_export.core.compiling import triton_kernel
 
 BAND = 21  # float32 exponent values per band
 BANDS = 256 // BAND + 1  # 13: biased exponents 0..255
@@ -86,13 +86,8 @@ def exact_abs_sums(h: torch.Tensor) -> torch.Tensor:
     return total
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel():
-    mods = triton_modules()
-    if mods is None:
-        return None
-    triton, tl = mods
-
+@triton_kernel
+def _kernel(triton, tl):
     @triton.jit
     def banded(src_ptr, out_ptr, amax_ptr, meta_ptr, K, stride_e, stride_r, up_off,
                FUSED: tl.constexpr, FP16: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,

@@ -28,25 +28,18 @@ cannot reach a sum.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
-from resserve_export.core.compiling import triton_modules
+from resserve_export.core.compiling import triton_kernel
 
 _ROWS = 16
 _COLS = 128
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel():
-
-    mods = triton_modules()
-    if mods is None:
-        return None
-    triton, tl = mods
-
+@triton_kernel
+def _kernel(triton, tl):
     @triton.jit
     def _nanmax(a, b):
         return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
