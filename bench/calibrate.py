@@ -248,6 +248,8 @@ def bench_moe(args) -> dict:
 
     torch.set_num_threads(args.threads)
     shape = MOE_30B if args.shape == "30b" else MOE_SMALL
+    if args.layers:  # fewer decoder layers of the same shape (the 30b shape's 48 need a 141 GB card)
+        shape = dict(shape, num_hidden_layers=args.layers)
     if args.smoke:
         shape = dict(shape, hidden_size=64, moe_intermediate_size=32, num_experts=8, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)
     dev = torch.device(args.device)
@@ -316,6 +318,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=["cpu", "gpu", "multi-gpu", "moe"])
     p.add_argument("--shape", choices=["small", "30b"], default="small", help="moe: the model's shape")
+    p.add_argument("--layers", type=int, default=None, help="moe: decoder layers (default: the shape's)")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=None)

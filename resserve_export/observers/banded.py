@@ -44,6 +44,7 @@ EXACT_DTYPES = (torch.bfloat16, torch.float16)
 _ROWS = 32  # rows per tile
 _COLS = 64  # columns per program
 _SPLITS = 8  # programs per (expert, column block), each over its share of the rows
+_WARPS = 4
 
 
 def bands_of(a: torch.Tensor) -> torch.Tensor:
@@ -159,7 +160,7 @@ def _launch(src: torch.Tensor, K: int, up_off: int, fused: bool, libdevice_exp: 
             part_src, out, acc_amax, torch.tensor([rows, per], dtype=torch.int64).to(src.device, non_blocking=True), K,
             part_src.stride(0), part_src.stride(1), up_off,
             FUSED=fused, FP16=src.dtype == torch.float16, LIBDEVICE_EXP=libdevice_exp,
-            ROWS=_ROWS, COLS=_COLS, NB=BANDS, NBP=16, W=BAND, num_warps=4,
+            ROWS=_ROWS, COLS=_COLS, NB=BANDS, NBP=16, W=BAND, num_warps=_WARPS,
         )
         acc_sum += collapse(out.sum(0))  # the splits' band sums are exact: any order of adding them is
 
