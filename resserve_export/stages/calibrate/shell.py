@@ -8,9 +8,10 @@ attention implementation as a whole-model load; only the tensors outside the dec
 read ahead into reused pinned buffers (`LayerReader`, on `storage.reader.SlabReader`), placed on
 the device for the layer's pass, and sent back to the meta device after it.
 
-accelerate and transformers are imported inside the functions that use them: importing them
-costs about 1 s and 3 s (measured with ``python -X importtime`` after torch), which the
-``calibrate`` argument checks that import this package's `PIPELINES` must not pay.
+accelerate and transformers are imported inside the functions that use them (tensors are placed
+and unloaded without accelerate): importing them costs about 1 s and 3 s (measured with
+``python -X importtime`` after torch), which the ``calibrate`` argument checks that import this
+package's `PIPELINES` must not pay.
 """
 
 from __future__ import annotations
@@ -85,24 +86,36 @@ def _read(names: list[str], source, dtype) -> dict[str, torch.Tensor]:
     return out
 
 
+def _assign(model, name: str, value: torch.Tensor) -> None:
+    """The model's parameter or buffer `name` (qualified) becomes `value`, as a parameter of the
+    same class and ``requires_grad``. (accelerate's ``set_module_tensor_to_device`` empties the
+    CUDA allocator's cache after every tensor it places on a GPU: each layer's activations were
+    then allocated from the driver again.)"""
+    owner, _, leaf = name.rpartition(".")
+    mod = model.get_submodule(owner) if owner else model
+    if leaf in mod._parameters:
+        old = mod._parameters[leaf]
+        cls = type(old) if isinstance(old, torch.nn.Parameter) else torch.nn.Parameter
+        mod._parameters[leaf] = cls(value, requires_grad=bool(old is not None and old.requires_grad))
+    elif leaf in mod._buffers:
+        mod._buffers[leaf] = value
+    else:
+        raise KeyError(f"{name} is neither a parameter nor a buffer of the model")
+
+
 def place(model, tensors: dict[str, torch.Tensor], device) -> None:
     """Set the model's tensors (by qualified name) to `tensors`, copied to `device`."""
-    from accelerate.utils import (
-        set_module_tensor_to_device,  # about 1 s: see the module docstring
-    )
-
     for n, t in tensors.items():
-        set_module_tensor_to_device(model, n, device, value=t.to(device, non_blocking=True))
+        _assign(model, n, t.to(device, non_blocking=True))
 
 
 def unload(model, names: list[str]) -> None:
     """Send the model's tensors `names` back to the meta device."""
-    from accelerate.utils import (
-        set_module_tensor_to_device,  # about 1 s: see the module docstring
-    )
-
     for n in names:
-        set_module_tensor_to_device(model, n, "meta")
+        owner, _, leaf = n.rpartition(".")
+        mod = model.get_submodule(owner) if owner else model
+        old = mod._parameters[leaf] if leaf in mod._parameters else mod._buffers[leaf]
+        _assign(model, n, torch.empty_like(old, device="meta"))
 
 
 def release_host_memory(device: torch.device | None = None) -> None:
