@@ -36,16 +36,20 @@ def setup(tmp_path_factory):
 
 
 def _calibrate(model: Path, out: Path, texts: Path, pipeline: str, **kw) -> Path:
-    kw = {"scores": "none", **kw}
-    cfg = make_config("quick", dataset=str(texts), num_samples=7, seq_len=48, batch_size=3, device="cpu", pipeline=pipeline, **kw)
+    kw = {"scores": "none", "device": "cpu", **kw}
+    cfg = make_config("quick", dataset=str(texts), num_samples=7, seq_len=48, batch_size=3, pipeline=pipeline, **kw)
     return cal.calibrate(str(model), out, cfg, show_progress=False).path
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
-def test_sequential_statistics_equal_the_whole_model_run_bit_for_bit(setup, arch, tmp_path):
+def test_sequential_statistics_equal_the_whole_model_run_bit_for_bit(setup, arch, device, tmp_path):
     _, texts, models = setup
-    whole = _calibrate(models[arch], tmp_path / "whole", texts, "whole")
-    seq = _calibrate(models[arch], tmp_path / "seq", texts, "sequential")
+    whole = _calibrate(models[arch], tmp_path / "whole", texts, "whole", device=device)
+    seq = _calibrate(models[arch], tmp_path / "seq", texts, "sequential", device=device)
     for name in ("salience.safetensors", "kv_cache.safetensors"):
         assert (seq / name).read_bytes() == (whole / name).read_bytes(), name
     a, b = (json.loads((d / "calibration.json").read_text()) for d in (whole, seq))
@@ -54,14 +58,17 @@ def test_sequential_statistics_equal_the_whole_model_run_bit_for_bit(setup, arch
         assert a[k] == b[k], k
 
 
-@pytest.mark.parametrize("arch, precision", [("llama", "fp32"), ("llama", "bf16"), ("qwen3", "fp32"), ("gemma3", "fp32")])
-def test_sequential_grad_scores_equal_the_whole_model_backward(setup, arch, precision, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "arch, precision, device",
+    [("llama", "fp32", "cpu"), ("llama", "bf16", "cpu"), ("qwen3", "fp32", "cpu"), ("gemma3", "fp32", "cpu"), ("llama", "bf16", CUDA)],
+)
+def test_sequential_grad_scores_equal_the_whole_model_backward(setup, arch, precision, device, tmp_path, monkeypatch):
     """Layer-wise recomputation (each layer's forward redone with autograd from its stored
     input, fed the gradient from the layer above) against the whole model's backward pass: the
     stated tolerance is 1e-6 relative per score (on these models they are in fact equal bit for
     bit); the score batches' hidden states spilled to files."""
     _, texts, models = setup
-    kw = {"scores": "grad", "score_samples": 5, "score_precision": precision}
+    kw = {"scores": "grad", "score_samples": 5, "score_precision": precision, "device": device}
     whole = _calibrate(models[arch], tmp_path / "whole", texts, "whole", **kw)
     monkeypatch.setenv(HIDDEN_ENV, "disk")
     seq = _calibrate(models[arch], tmp_path / "seq", texts, "sequential", **kw)
