@@ -60,7 +60,8 @@ def test_sequential_statistics_equal_the_whole_model_run_bit_for_bit(setup, arch
 
 @pytest.mark.parametrize(
     "arch, precision, device",
-    [("llama", "fp32", "cpu"), ("llama", "bf16", "cpu"), ("qwen3", "fp32", "cpu"), ("gemma3", "fp32", "cpu"), ("llama", "bf16", CUDA)],
+    [("llama", "fp32", "cpu"), ("llama", "bf16", "cpu"), ("qwen3", "fp32", "cpu"), ("gemma3", "fp32", "cpu"),
+     pytest.param("llama", "bf16", "cuda", marks=CUDA.marks, id="llama-bf16-cuda")],
 )
 def test_sequential_grad_scores_equal_the_whole_model_backward(setup, arch, precision, device, tmp_path, monkeypatch):
     """Layer-wise recomputation (each layer's forward redone with autograd from its stored
