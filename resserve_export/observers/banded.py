@@ -41,9 +41,9 @@ BANDS = 256 // BAND + 1  # 13: biased exponents 0..255
 MAX_ROWS = 1 << 22  # rows summed in one banded pass (fp16: 2^22 · 2^31 ≤ 2^53)
 EXACT_DTYPES = (torch.bfloat16, torch.float16)
 
-_ROWS = 32  # rows per tile
-_COLS = 64  # columns per program
-_SPLITS = 8  # programs per (expert, column block), each over its share of the rows
+_ROWS = 64  # rows per tile
+_COLS = 32  # columns per program
+_SPLITS = 16  # programs per (expert, column block), each over its share of the rows
 _WARPS = 4
 
 
@@ -130,7 +130,7 @@ def _kernel(triton, tl):
             for k in range(lo, hi + 1):
                 part = tl.sum(tl.where(band == k, h64, 0.0), axis=0)
                 acc += tl.where(ks[:, None] == k, part[None, :], 0.0)
-            peak = tl.maximum(peak, tl.max(h, axis=0), propagate_nan=tl.PropagateNan.ALL)
+            peak = tl.maximum(peak, tl.max(tl.where(h != h, float("inf"), h), axis=0))  # tl.max drops NaN: +inf instead
         offs = ((split * tl.num_programs(0) + e) * NB + ks[:, None]) * K + cols[None, :]
         tl.store(out_ptr + offs, acc, mask=(ks[:, None] < NB) & cm[None, :])
         p = tl.max(peak, axis=0)
