@@ -15,6 +15,7 @@ the compiler's is raised again by the eager call.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import warnings
 
@@ -103,4 +104,12 @@ def triton_kernel(build):
     return get
 
 
-__all__ = ["RECOMPILE_LIMIT", "compile_or_eager", "triton_modules", "triton_kernel"]
+def kernel_available(device, kernel) -> bool:
+    """Whether a `triton_kernel` runs for tensors on `device`: CUDA with Triton, unless
+    ``RESSERVE_BACKEND=reference`` asks for the eager paths."""
+    if os.environ.get("RESSERVE_BACKEND", "") == "reference" or device.type != "cuda":
+        return False
+    return kernel() is not None
+
+
+__all__ = ["RECOMPILE_LIMIT", "compile_or_eager", "triton_modules", "triton_kernel", "kernel_available"]

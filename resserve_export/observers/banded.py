@@ -29,12 +29,11 @@ is the eager reference, the same bands by ``scatter_add``.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch.nn import functional as F
 
-from resserve_export.core.compiling import triton_kernel
+from resserve_export.core.compiling import kernel_available, triton_kernel
 
 BAND = 21  # float32 exponent values per band
 BANDS = 256 // BAND + 1  # 13: biased exponents 0..255
@@ -91,7 +90,7 @@ def exact_abs_sums(h: torch.Tensor) -> torch.Tensor:
 def _kernel(triton, tl):
     @triton.jit
     def banded(src_ptr, out_ptr, amax_ptr, meta_ptr, K, stride_e, stride_r, up_off,
-               FUSED: tl.constexpr, FP16: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
+               FUSED: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
                ROWS: tl.constexpr, COLS: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, W: tl.constexpr):
         e = tl.program_id(0).to(tl.int64)
         cb = tl.program_id(1)
@@ -142,9 +141,7 @@ def _kernel(triton, tl):
 def available(device: torch.device) -> bool:
     """Whether the Triton kernel runs for tensors on `device` (CUDA with Triton, unless
     ``RESSERVE_BACKEND=reference``)."""
-    if os.environ.get("RESSERVE_BACKEND", "") == "reference" or device.type != "cuda":
-        return False
-    return _kernel() is not None
+    return kernel_available(device, _kernel)
 
 
 def _launch(src: torch.Tensor, K: int, up_off: int, fused: bool, libdevice_exp: bool, acc_sum: torch.Tensor, acc_amax: torch.Tensor) -> None:
@@ -159,7 +156,7 @@ def _launch(src: torch.Tensor, K: int, up_off: int, fused: bool, libdevice_exp: 
         _kernel()[(c, -(-K // _COLS), splits)](
             part_src, out, acc_amax, torch.tensor([rows, per], dtype=torch.int64).to(src.device, non_blocking=True), K,
             part_src.stride(0), part_src.stride(1), up_off,
-            FUSED=fused, FP16=src.dtype == torch.float16, LIBDEVICE_EXP=libdevice_exp,
+            FUSED=fused, LIBDEVICE_EXP=libdevice_exp,
             ROWS=_ROWS, COLS=_COLS, NB=BANDS, NBP=16, W=BAND, num_warps=_WARPS,
         )
         acc_sum += collapse(out.sum(0))  # the splits' band sums are exact: any order of adding them is

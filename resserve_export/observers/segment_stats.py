@@ -28,11 +28,9 @@ cannot reach a sum.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from resserve_export.core.compiling import triton_kernel
+from resserve_export.core.compiling import kernel_available, triton_kernel
 
 _ROWS = 16
 _COLS = 128
@@ -80,9 +78,7 @@ def _kernel(triton, tl):
 
 def available(device: torch.device) -> bool:
     """Whether `segment_stats` runs for tensors on `device` (see the module docstring)."""
-    if os.environ.get("RESSERVE_BACKEND", "") == "reference" or device.type != "cuda":
-        return False
-    return _kernel() is not None
+    return kernel_available(device, _kernel)
 
 
 def segment_stats(rows: torch.Tensor, keep: torch.Tensor, ends: torch.Tensor, acc_sum: torch.Tensor, acc_amax: torch.Tensor,
