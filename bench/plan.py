@@ -189,7 +189,7 @@ def bench_scores(samples: int, seq_len: int, batch_size: int, kl_groups: int, re
     ]
 
 
-def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int, smoke: bool = False) -> list[str]:
+def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int, smoke: bool = False, profile: bool = False) -> list[str]:
     """Grad-scoring cost on one CUDA GPU: a random Qwen3-1.7B-shaped bf16 model on random tokens
     (the cost does not depend on the weights), against the calibration pass over the same batches."""
     import torch
@@ -210,10 +210,10 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
     groups = group_linears(linears_of(model))
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
 
-    def timed(fn):
+    def timed(fn, runs_n: int | None = None):
         fn()  # warm-up: compiles, cuBLAS handles, the allocator
         runs = []
-        for _ in range(repeat):
+        for _ in range(runs_n or repeat):
             torch.cuda.synchronize() if dev == "cuda" else None
             t = time.perf_counter()
             out = fn()
@@ -221,11 +221,19 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
             runs.append(time.perf_counter() - t)
         return statistics.median(runs), out
 
-    t_calib, (stats, _) = timed(lambda: collect(model, batches, groups))
+    # The anchor: at least 5 runs (one run once read 0.45 s for a pass that takes 0.19 s).
+    t_calib, (stats, _) = timed(lambda: collect(model, batches, groups), max(5, repeat))
     t = time.perf_counter()
     cands = S.build_candidates(model, groups, stats, RATIOS)
     torch.cuda.synchronize() if dev == "cuda" else None
     t_build = time.perf_counter() - t
+    if profile:
+        profiled("one-off weight quantization of every candidate", lambda: S.build_candidates(model, groups, stats, RATIOS))
+        profiled(
+            "grad scores, bf16 (after one warm-up run)",
+            lambda: S.compute_scores(model, batches, stats, groups, "grad", candidates=cands, show_progress=False, precision="bf16"),
+            warm=True,
+        )
 
     def fwd_bwd():
         forward_backward(model, batches)
@@ -264,7 +272,7 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
         f"## Scoring cost on one GPU ({name}, random Qwen3-1.7B-shaped bf16 model)",
         "",
         f"{batches_n} batches × {batch_size} × {seq_len} random tokens ({tokens} tokens), {len(groups)} decision groups × "
-        f"{len(RATIOS)} ratios, median of {repeat} after one warm-up run, torch {torch.__version__}, bf16 base product {layout}. "
+        f"{len(RATIOS)} ratios, median of {repeat} after one warm-up run (the calibration pass: of {max(5, repeat)}), torch {torch.__version__}, bf16 base product {layout}. "
         "Produced by `python bench/plan.py --part gpu`.",
         "",
         "| pass | time (s) | × calibration pass |",
@@ -282,6 +290,26 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
     ]
 
 
+def profiled(title: str, fn, warm: bool = False, rows: int = 25) -> None:
+    """Run `fn` under torch.profiler and print its most expensive operators by CUDA time and by
+    host self time (the profile decides what to speed up next)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if warm:
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    table = prof.key_averages()
+    print(f"\n### Profile: {title} ({wall:.3f} s wall under the profiler)\n")
+    print(table.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
+    print(table.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--part", choices=["all", "solve", "scores", "gpu"], default="all", help="gpu: grad-scoring cost on one CUDA GPU (not part of all)")
@@ -289,6 +317,7 @@ def main() -> None:
     ap.add_argument("--gpu-batch-size", type=int, default=4)
     ap.add_argument("--gpu-seq-len", type=int, default=1024)
     ap.add_argument("--smoke", action="store_true", help="--part gpu on a tiny model (checks the script on a CPU)")
+    ap.add_argument("--profile", action="store_true", help="--part gpu: also print torch.profiler tables of the one-off quantization and of one bf16 grad-scores run")
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=4)
@@ -312,7 +341,7 @@ def main() -> None:
     if args.part in ("all", "scores"):
         lines += bench_scores(args.samples, args.seq_len, args.batch_size, args.kl_groups, args.score_repeat) + [""]
     if args.part == "gpu":
-        lines += bench_scores_gpu(args.gpu_batches, args.gpu_batch_size, args.gpu_seq_len, args.score_repeat, args.smoke) + [""]
+        lines += bench_scores_gpu(args.gpu_batches, args.gpu_batch_size, args.gpu_seq_len, args.score_repeat, args.smoke, args.profile) + [""]
     text = "\n".join(lines)
     print(text)
     if args.write:

@@ -20,7 +20,8 @@ from torch import nn
 
 from resserve_export.formats import registry
 from resserve_export.formats.ops import dequantize, quantize
-from resserve_export.algorithms.kext import compact, ext_width, extend_weight, residue
+from resserve_export.algorithms import kernel
+from resserve_export.algorithms.kext import compact, ext_width, residue
 from resserve_export.formats.mxfp4 import ScaleRounding
 from resserve_export.formats.qtensor import FP4Tensor
 from resserve_export.algorithms.selection import check_ratio, mode_of
@@ -44,15 +45,36 @@ class QuantizedWeight:
         self.mask = mask
         if weight_alpha is None:
             weight_alpha = f.tensor_alpha(weight)  # None without a tensor scale
-        self.base = quantize(weight, f, alpha=weight_alpha, rounding=rounding)
-        self.w = dequantize(self.base)
+        # The fused kernel on CUDA (bit for bit the reference's codes and scales), else the reference.
+        self.base = kernel.quantize(weight, f, alpha=weight_alpha, rounding=self.rounding)
         self.ext = None
-        self.w_ext = None
+        self._w = self._w_ext = None
         if ext_width(weight.shape[-1], self.ratio, f):
             if mask is None:
                 raise ValueError("a partial ratio needs a mask")
-            self.ext = extend_weight(weight, mask, self.ratio, f, rounding, alpha=self.base.global_scale)
-            self.w_ext = dequantize(self.ext)
+            self.ext = kernel.extend_weight(weight, mask, self.ratio, f, self.rounding, alpha=self.base.global_scale)
+
+    # The FP32 dequantized weights, made on first use: the bf16 scoring path and `pack` never
+    # read them, and they are twice a bf16 model's bytes.
+    @property
+    def w(self) -> torch.Tensor:
+        if self._w is None:
+            self._w = dequantize(self.base)
+        return self._w
+
+    @w.setter
+    def w(self, value: torch.Tensor) -> None:
+        self._w = value
+
+    @property
+    def w_ext(self) -> torch.Tensor | None:
+        if self._w_ext is None and self.ext is not None:
+            self._w_ext = dequantize(self.ext)
+        return self._w_ext
+
+    @w_ext.setter
+    def w_ext(self, value: torch.Tensor | None) -> None:
+        self._w_ext = value
 
     @classmethod
     def from_stored(
@@ -62,17 +84,17 @@ class QuantizedWeight:
         rounding: ScaleRounding | str,
         mask: torch.Tensor | None,
         base: FP4Tensor,
-        w: torch.Tensor,
+        w: torch.Tensor | None,
         ext: FP4Tensor | None = None,
         w_ext: torch.Tensor | None = None,
     ) -> "QuantizedWeight":
         """A weight already quantized (a checkpoint's stored tensors): `base` and, for a partial
         ratio, the extension `ext`, with their dequantized FP32 values `w` and `w_ext` (which the
-        caller may share between weights); nothing is recomputed."""
+        caller may share between weights; None: dequantized on first use); nothing else is computed."""
         qw = cls.__new__(cls)
         qw.fmt, qw.ratio, qw.rounding = registry.get(fmt).name, check_ratio(ratio), ScaleRounding(rounding)
         qw.mask = mask
-        qw.base, qw.w, qw.ext, qw.w_ext = base, w, ext, w_ext
+        qw.base, qw.ext, qw._w, qw._w_ext = base, ext, w, w_ext
         return qw
 
 

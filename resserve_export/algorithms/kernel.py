@@ -24,12 +24,13 @@ import torch
 from torch.utils.cpp_extension import CUDA_HOME, load
 
 from resserve_export.algorithms import kext
-from resserve_export.algorithms.selection import check_ratio
+from resserve_export.algorithms.selection import check_ratio, mask_to_indices
 from resserve_export.core.errors import UserError
 from resserve_export.formats import registry
 from resserve_export.formats.constants import SELECTION_GROUP
 from resserve_export.formats.mxfp4 import ScaleRounding
 from resserve_export.formats.nvfp4 import global_scale
+from resserve_export.formats.ops import quantize as quantize_ref
 from resserve_export.formats.qtensor import FP4Tensor
 
 BACKENDS = ("auto", "cuda", "reference")
@@ -244,6 +245,42 @@ def quantize_full(
     return _as_fp4(fmt, codes, scales, a, lead), _as_fp4(fmt, rcodes, rscales, a, lead)
 
 
+def quantize(x: torch.Tensor, fmt: str, alpha: torch.Tensor | None = None, rounding: ScaleRounding | str = ScaleRounding.CEIL) -> FP4Tensor:
+    """``formats.quantize(x, fmt, alpha=alpha, rounding=rounding)`` (the minmax block scales): for
+    contiguous bf16/fp16 CUDA tensors where the kernel runs, its X̂ (one launch; bit for bit the
+    reference's codes and scales: the kernel is checked against it), else `formats.quantize`.
+    NVFP4 without `alpha` takes the tensor's own (`Format.tensor_alpha`), as the reference does."""
+    f = registry.get(fmt)
+    rounding = ScaleRounding(rounding)
+    if not (_pick(x, "auto") == "cuda" and x.is_contiguous() and x.shape[-1] % f.block == 0 and x.numel()):
+        return quantize_ref(x, f, alpha=alpha, rounding=rounding)
+    if f.has_tensor_scale and alpha is None:
+        alpha = f.tensor_alpha(x)
+    x2 = x.reshape(-1, x.shape[-1])
+    a = torch.as_tensor(alpha, dtype=torch.float32).reshape(()).to(x.device) if f.has_tensor_scale else None
+    codes, scales, _, _ = _run(x2, None, 0, f.name, a, rounding, 0)
+    return _as_fp4(f.name, codes, scales, a, x.shape[:-1])
+
+
+def extend_weight(
+    weight: torch.Tensor, mask: torch.Tensor, ratio: float, fmt: str, rounding: ScaleRounding | str = ScaleRounding.CEIL,
+    alpha: torch.Tensor | None = None,
+) -> FP4Tensor | None:
+    """`kext.extend_weight` (the quantized ``[W_S | 0]``), through `quantize`: the selected columns
+    are gathered in the weight's own dtype, which holds them exactly, so the codes and scales are
+    those of the reference's FP32 gather."""
+    K = weight.shape[-1]
+    K_E = kext.ext_width(K, ratio, fmt)
+    if K_E == 0 or _pick(weight, "auto") != "cuda":
+        return kext.extend_weight(weight, mask, ratio, fmt, rounding, alpha=alpha)
+    if alpha is None:
+        alpha = registry.get(fmt).tensor_alpha(weight)
+    idx = mask_to_indices(mask).to(weight.device)
+    sel = weight.new_zeros((*weight.shape[:-1], K_E))
+    sel[..., : idx.numel()] = weight.index_select(-1, idx)
+    return quantize(sel, fmt, alpha=alpha, rounding=rounding)
+
+
 def quantize_extend_raw(x: torch.Tensor, mask, ksel: int, fmt: str, alpha, rounding, K_E: int, out, rows=None, max_ctas=None) -> None:
     """Launch into caller-provided uint8 outputs (tests poison them; the benchmark reuses them).
 
@@ -264,4 +301,6 @@ __all__ = [
     "quantize_extend",
     "quantize_full",
     "quantize_extend_raw",
+    "quantize",
+    "extend_weight",
 ]

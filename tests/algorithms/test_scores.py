@@ -400,7 +400,7 @@ def test_split_reduction_compiled_matches_eager(gen):
 @pytest.mark.parametrize("split", [False, True])
 def test_bytes_per_weight_estimate_covers_the_candidates(split):
     """The memory pool's per-weight estimate against the bytes the candidates of a bf16 layer
-    really hold (FP4 tensors, FP32 dequantized weights, and the bf16 path's operands) on a layer
+    really hold (FP4 tensors and the bf16 path's operands; no FP32 dequantized weights) on a layer
     wide enough for the extensions to have their real widths (K/8, K/4, K/2)."""
     from resserve_export.modeling.groups import Group
 
@@ -421,7 +421,8 @@ def test_bytes_per_weight_estimate_covers_the_candidates(split):
 
     for qs in c.qw.values():
         for q in qs:
-            for t in (q.base.codes, q.base.scales, q.w) + ((q.ext.codes, q.ext.scales, q.w_ext) if q.ext is not None else ()):
+            # `_w` / `_w_ext`: the FP32 weights only where something made them (the bf16 path does not)
+            for t in (q.base.codes, q.base.scales, q._w) + ((q.ext.codes, q.ext.scales, q._w_ext) if q.ext is not None else ()):
                 count(t)
     for b0, wres in c._fast_cache[split]:
         for t in (b0 if isinstance(b0, tuple) else (b0,)) + tuple(wres.values()):

@@ -151,3 +151,35 @@ def test_wrapper_rejects_a_mask_with_the_wrong_count():
     mask = torch.full((32,), 0b11, dtype=torch.uint8)  # two channels per group, ratio asks for one
     with pytest.raises(ValueError, match="exactly 1"):
         kernel.quantize_extend(torch.ones(2, 256, dtype=torch.bfloat16, device="cuda"), mask, 0.125, "nvfp4")
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=("bf16", "fp16"))
+@pytest.mark.parametrize("fmt,rounding", FMT_ROUNDING, ids=lambda v: v)
+def test_weight_quantization_through_the_kernel_is_the_cpu_reference(fmt, rounding, dtype):
+    """`kernel.quantize` / `kernel.extend_weight` (what the scores' candidates and `verify` build
+    weights with on a GPU) give the CPU reference's codes and scale bytes: a fused group's shared α
+    and the tensor's own, every partial ratio's extension, a 3-D stack of experts."""
+    from resserve_export.formats.ops import quantize as reference
+
+    gen = torch.Generator().manual_seed(zlib.crc32(f"w{fmt}{rounding}{dtype}".encode()))
+    w = adversarial(3 * 96, 2560, dtype, gen).reshape(3, 96, 2560)
+    f = registry.get(fmt)
+    shared = f.weight_alpha([w[0], w[1]])
+    for x, alpha in ((w[0], shared), (w[1], None), (w, None)):
+        got = kernel.quantize(x.cuda(), fmt, alpha=None if alpha is None else alpha.cuda(), rounding=rounding)
+        want = reference(x, fmt, alpha=alpha, rounding=rounding)
+        assert got.shape == want.shape
+        assert torch.equal(got.codes.cpu(), want.codes), _first_mismatch(got.codes.cpu(), want.codes)
+        assert torch.equal(got.scales.view(torch.uint8).cpu(), want.scales.view(torch.uint8))
+        if f.has_tensor_scale:
+            assert torch.equal(got.global_scale.cpu(), want.global_scale)
+    for ratio, k in ((0.125, 1), (0.25, 2), (0.5, 4)):
+        mask = random_mask(2560, k, gen)
+        alpha = None if shared is None else shared.cuda()
+        got = kernel.extend_weight(w[0].cuda(), mask, ratio, fmt, rounding, alpha=alpha)
+        want = kext.extend_weight(w[0], mask, ratio, fmt, rounding, alpha=shared)
+        assert got.shape == want.shape == (96, kext.ext_width(2560, ratio, fmt))
+        assert torch.equal(got.codes.cpu(), want.codes), _first_mismatch(got.codes.cpu(), want.codes)
+        assert torch.equal(got.scales.view(torch.uint8).cpu(), want.scales.view(torch.uint8))

@@ -34,7 +34,7 @@ from resserve_export.algorithms.emulate import (
     residue_weight,
     swapped,
 )
-from resserve_export.algorithms.kext import extend_weight, residue
+from resserve_export.algorithms.kext import residue
 from resserve_export.algorithms.scores import fused
 from resserve_export.algorithms.scores.bf16 import (
     PREPARE_ROWS,
@@ -102,6 +102,12 @@ class Candidates:
                 ]
             else:
                 self.qw[r] = base
+        # The extensions of given bases were built from their FP32 values: not kept (made again
+        # on first use, as for every other member).
+        for qs in self.qw.values():
+            for m, q in zip(group.modules, qs):
+                if given[m] is not None:
+                    q.w = None
         self.backend = "auto"
         self.biases = [None if lin.bias is None else lin.bias.detach().float() for lin in self.linears]
 
@@ -161,14 +167,14 @@ class Candidates:
     def _build_fast_weights(self, split: bool) -> list:
         built, need_lo = [], False
         for k, lin in enumerate(self.linears):
-            w_exact = exact_operand(self.qw[self.ratios[0]][k].base)
+            w_exact = self._exact(self.qw[self.ratios[0]][k].base)
             res = {}
             for r in self.ratios:
                 mode = mode_of(r)
                 if mode == "full":
                     res[r] = w_exact
                 elif mode == "k_ext":
-                    res[r] = exact_operand(self.qw[r][k].ext)
+                    res[r] = self._exact(self.qw[r][k].ext)
             if split:
                 built.append(((w_exact, lin.weight.detach()), res))
                 continue
@@ -208,7 +214,8 @@ class Candidates:
             comp = [r for r in self.ratios if mode_of(r) != "plain"]
             modes = tuple(mode_of(r) for r in comp)
             idx = [mask_to_indices(self.masks[r]) if m == "k_ext" else None for r, m in zip(comp, modes)]
-            widths = tuple(residue_weight(self.qw[r][0], m).shape[-1] for r, m in zip(comp, modes))
+            # Widths from the codes: `residue_weight` would dequantize the FP32 weights.
+            widths = tuple((self.qw[r][0].base if m == "full" else self.qw[r][0].ext).shape[-1] for r, m in zip(comp, modes))
             spec = self._fast_spec_cache = (comp, modes, idx, widths)
         return spec
 
@@ -343,7 +350,7 @@ def _stored(q: FP4Tensor, rounding: ScaleRounding, device: torch.device) -> Quan
     """A member whose base quantization is given (GPTQ's), on `device`."""
     g = None if q.global_scale is None else q.global_scale.to(device)
     q = FP4Tensor(q.fmt, q.codes.to(device), q.scales.to(device), g)
-    return QuantizedWeight.from_stored(q.fmt, 0.0, rounding, None, q, dequantize(q))
+    return QuantizedWeight.from_stored(q.fmt, 0.0, rounding, None, q, None)  # FP32 values on first use
 
 
 def _extended(base: QuantizedWeight, weight: torch.Tensor, ratio: float, mask: torch.Tensor) -> QuantizedWeight:
@@ -351,8 +358,8 @@ def _extended(base: QuantizedWeight, weight: torch.Tensor, ratio: float, mask: t
     ratio=ratio, mask=mask)`` builds, without quantizing the base again."""
     q = copy.copy(base)
     q.ratio, q.mask = ratio, mask
-    q.ext = extend_weight(weight, mask, ratio, base.fmt, base.rounding, alpha=base.base.global_scale)
-    q.w_ext = dequantize(q.ext)
+    q.ext = kernel.extend_weight(weight, mask, ratio, base.fmt, base.rounding, alpha=base.base.global_scale)
+    q.w_ext = None  # dequantized on first use (`QuantizedWeight.w_ext`)
     return q
 
 

@@ -107,7 +107,7 @@ def _build(triton, tl):
             tl.store(row + 4, tl.sum(acc4, axis=0))
 
     @triton.jit
-    def exact_kernel(codes_ptr, sf_ptr, lut_ptr, out_ptr, width, codes_stride, sf_stride,
+    def exact_kernel(codes_ptr, scales_ptr, sf_lut_ptr, lut_ptr, out_ptr, width, codes_stride, scales_stride,
                      BLOCK_Q: tl.constexpr, COLS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * COLS + tl.arange(0, COLS)
@@ -115,7 +115,8 @@ def _build(triton, tl):
         byte = tl.load(codes_ptr + row * codes_stride + col // 2, mask=m, other=0).to(tl.int32)
         code = tl.where(col % 2 == 0, byte & 15, byte >> 4)
         v = tl.load(lut_ptr + code, mask=m, other=0.0)
-        s = tl.load(sf_ptr + row * sf_stride + col // BLOCK_Q, mask=m, other=0.0)
+        sbyte = tl.load(scales_ptr + row * scales_stride + col // BLOCK_Q, mask=m, other=0).to(tl.int32)
+        s = tl.load(sf_lut_ptr + sbyte, mask=m, other=0.0)
         tl.store(out_ptr + row * width + col, (v * s).to(tl.bfloat16), mask=m)
 
     return sq_sums_kernel, exact_kernel
@@ -148,23 +149,40 @@ def sq_sums(g: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, c: torch.T
     return part.sum(dim=0, dtype=torch.float64).float()
 
 
+_SCALE_LUTS: dict = {}
+
+
+def scale_factors(fmt, device: torch.device) -> torch.Tensor:
+    """FP32 ``[256]``: the factor each block-scale byte stands for, from the format's own decoder
+    (`dequantize_blocks` of a block of ones with α = 1), made once per format and device. A
+    block's factor depends on its scale byte alone, so a lookup gives the decoder's bits."""
+    key = (fmt.name, device)
+    lut = _SCALE_LUTS.get(key)
+    if lut is None:
+        raw = fmt.as_scales(torch.arange(256, dtype=torch.uint8, device=device)).reshape(256, 1)
+        ones = torch.full((256, 1, 1), 0x22, dtype=torch.uint8, device=device)  # E2M1 1.0 in both nibbles
+        one = torch.ones((), dtype=torch.float32, device=device)
+        lut = _SCALE_LUTS[key] = fmt.dequantize_blocks(ones, raw, one if fmt.has_tensor_scale else None)[:, 0, 0].contiguous()
+    return lut
+
+
 def exact_bf16(q, fmt) -> torch.Tensor:
     """`emulate.exact_operand(q)` (bf16, α factored out), bit for bit, in one kernel: q an
     `FP4Tensor` of 2-D codes ``[M, width/2]`` (row-strided views allowed, e.g. a column slice of
-    the fused kernel's ``[X̂ | R̂_S]``), `fmt` its `registry.Format`."""
+    the fused kernel's ``[X̂ | R̂_S]``), `fmt` its `registry.Format`. The block factors come from
+    `scale_factors` (the format's decoder, once), the E2M1 values from `fp4.e2m1_table`."""
 
     _, _, (_, kernel) = _triton()
     codes, scales = q.codes, q.scales
     if codes.dim() != 2 or codes.stride(-1) != 1:
         codes = codes.reshape(-1, codes.shape[-1]).contiguous()
     M, width = codes.shape[0], 2 * codes.shape[1]
-    blk = fmt.block
-    # The FP32 scale factor of every block, from the format's own decoder (a block of ones, α = 1).
-    nb = width // blk
-    ones = torch.full((M, nb, 1), 0x22, dtype=torch.uint8, device=codes.device)  # E2M1 1.0 in both nibbles
-    one = torch.ones((), dtype=torch.float32, device=codes.device)
-    sf = fmt.dequantize_blocks(ones, scales.reshape(M, nb), one if fmt.has_tensor_scale else None)[..., 0].contiguous()
+    scales = scales.reshape(M, width // fmt.block).view(torch.uint8)
+    if scales.stride(-1) != 1:
+        scales = scales.contiguous()
     out = torch.empty((M, width), dtype=torch.bfloat16, device=codes.device)
-    lut = e2m1_table(codes.device)
-    kernel[(M, -(-width // _COLS))](codes, sf, lut, out, width, codes.stride(0), sf.stride(0), BLOCK_Q=blk, COLS=_COLS, num_warps=4)
+    kernel[(M, -(-width // _COLS))](
+        codes, scales, scale_factors(fmt, codes.device), e2m1_table(codes.device), out, width, codes.stride(0), scales.stride(0),
+        BLOCK_Q=fmt.block, COLS=_COLS, num_warps=4,
+    )
     return out

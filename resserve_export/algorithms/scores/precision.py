@@ -33,11 +33,12 @@ def resolve_precision(precision: str, device: torch.device, dtype: torch.dtype =
     return precision
 
 
-# Bytes the candidates of one weight element take: FP32 dequantized base and extensions (≈ 4 + 3.5)
-# plus the FP4 tensors; the bf16 path adds its bf16 operands: ≈ 8 more in the fused layout
-# ([Ŵ' | −H | −L] and the extensions), ≈ 4 in the split one (Ŵ' and the extensions; W is the
-# module's own). Checked against the tensors' sizes in tests/test_scores.py.
-_BYTES_PER_WEIGHT = {"fp32": 8.5, "bf16": 16.5, "bf16-split": 12.5}
+# Bytes the candidates of one weight element take: the FP4 tensors (≈ 1.1) and, for the fp32
+# path, the FP32 dequantized base and extensions (≈ 4 + 3.5); the bf16 path never makes those
+# (`emulate.QuantizedWeight` dequantizes on first use) and holds its bf16 operands instead: ≈ 8 in
+# the fused layout ([Ŵ' | −H | −L] and the extensions), ≈ 3.75 in the split one (Ŵ' and the
+# extensions; W is the module's own). Checked against the tensors' sizes in tests/test_scores.py.
+_BYTES_PER_WEIGHT = {"fp32": 8.5, "bf16": 9.0, "bf16-split": 5.0}
 
 
 def bytes_per_weight_of(method: str, precision: str, device: torch.device, dtype: torch.dtype) -> float:
