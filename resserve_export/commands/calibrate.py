@@ -52,7 +52,7 @@ def command(
         typer.Option(
             help="Grad scores' candidate products: auto (bf16 GEMMs for bf16 models on GPUs and on CPUs with "
             "AVX512-BF16/AMX, and for fp16 models on GPUs with torch >= 2.8; FP32 elsewhere), fp32, or bf16 "
-            "(exact FP4 operands, FP32 accumulation; ~4 (GPU) to ~8 (CPU) more bytes per weight)." + _default(_D.score_precision, preset=False),
+            "(exact FP4 operands, FP32 accumulation; candidates of ~5 (GPU) to ~9 (CPU) bytes per weight, fp32's ~8.5)." + _default(_D.score_precision, preset=False),
         ),
     ] = None,
     format: Annotated[
