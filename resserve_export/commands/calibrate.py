@@ -85,6 +85,15 @@ def command(
             "each block's scales chosen at its first column from the updated weights)." + _default(_D.gptq_order, preset=False),
         ),
     ] = None,
+    gptq_propagate: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--gptq-propagate/--no-gptq-propagate",
+            help="GPTQ layer by layer with each layer's outputs recomputed through its quantized linears (GPTQ weights, "
+            "inputs quantized with the calibrated scale), so later layers' Hessians and statistics see the earlier layers' "
+            "error, as llm-compressor's sequential pipeline does; runs the sequential pipeline." + _default(_D.gptq_propagate, preset=False),
+        ),
+    ] = None,
     pipeline: Annotated[
         Optional[str],
         typer.Option(
@@ -120,7 +129,7 @@ def command(
         model, out, config=config, overwrite=overwrite, progress=not quiet, dataset=dataset, num_samples=num_samples,
         seq_len=seq_len, batch_size=batch_size, seed=seed, device=device, dtype=dtype, scores=scores,
         score_samples=score_samples, score_precision=score_precision, format=format, mx_scale=mx_scale,
-        weight_algo=weight_algo, awq_tokens=awq_tokens, gptq_order=gptq_order, pipeline=pipeline, moe_calib=moe_calib, resume=resume,
+        weight_algo=weight_algo, awq_tokens=awq_tokens, gptq_order=gptq_order, gptq_propagate=gptq_propagate, pipeline=pipeline, moe_calib=moe_calib, resume=resume,
     )
     if os.environ.get("RANK", "0") != "0":
         return  # under torchrun, rank 0 reports

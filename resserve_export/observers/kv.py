@@ -61,6 +61,7 @@ class KVCollector(Observer):
         self._all_valid = False
         self._on_device: dict = {}
         self._amax: dict[int, list[torch.Tensor]] = {}
+        self.paused = False  # updates pass through unobserved while set (a second pass over a layer)
 
     def set_mask(self, attention_mask: torch.Tensor) -> None:
         self._mask = attention_mask.detach().to("cpu").bool()
@@ -77,7 +78,7 @@ class KVCollector(Observer):
         return m
 
     def _observe(self, idx: int, k: torch.Tensor, v: torch.Tensor):
-        if self.problem is not None:
+        if self.problem is not None or self.paused:
             return k, v
         m = self._mask
         if idx not in self.names:

@@ -220,6 +220,10 @@ class StatsCollector(Observer):
         if missing:
             raise UserError(f"linear {missing[0]} never ran in the forward pass: the model does not use it; it cannot be calibrated")
 
+    def group_amax(self, gi: int):
+        """Group `gi`'s input amax so far (FP32 0-d, on its device; None before any batch)."""
+        return self._amax[gi]
+
     def state(self) -> dict:
         """The accumulators so far, on the CPU (a resume point of the sequential pipeline)."""
         cpu = lambda xs: [None if x is None else x.detach().to("cpu", copy=True) for x in xs]  # noqa: E731

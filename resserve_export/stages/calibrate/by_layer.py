@@ -65,6 +65,7 @@ def collect_by_layer(model_dir, out, config: CalibConfig, batches, show_progress
             r = sequential.collect_sequential(
                 model_dir, config.device, config.dtype, batches, groups, spill, progress=step, scores=spec,
                 resume=points if gptq_format is None else None, on_resume=resumed, gptq_format=gptq_format,
+                gptq_propagate=config.gptq_propagate,
             )
             stats, num_tokens, kv_stats, kv_problem, scores = r.stats, r.num_tokens, r.kv_stats, r.kv_problem, r.scores
     except UserError:

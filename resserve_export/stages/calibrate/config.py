@@ -51,6 +51,7 @@ class CalibConfig:
     weight_algo: str = "rtn"
     awq_tokens: int = 2048
     gptq_order: str = GPTQ_ORDER
+    gptq_propagate: bool = False
     pipeline: str = "auto"
     moe_calib: str = "all"
 
@@ -75,6 +76,12 @@ class CalibConfig:
         check_weight_algo(self.weight_algo)
         if self.gptq_order not in GPTQ_ORDERS:
             raise UserError(f"--gptq-order must be one of {', '.join(GPTQ_ORDERS)}, got {self.gptq_order!r}")
+        if not isinstance(self.gptq_propagate, bool):
+            raise UserError(f"gptq_propagate must be true or false, got {self.gptq_propagate!r}")
+        if self.gptq_propagate and self.weight_algo != "gptq":
+            raise UserError(f"--gptq-propagate goes with --weight-algo gptq, not {self.weight_algo}")
+        if self.gptq_propagate and self.pipeline == "whole":
+            raise UserError("--gptq-propagate runs layer by layer: pass --pipeline sequential (or auto), not whole")
         if self.pipeline not in PIPELINES:
             raise UserError(f"--pipeline must be one of {', '.join(PIPELINES)}, got {self.pipeline!r}")
         if self.moe_calib not in MOE_CALIB:

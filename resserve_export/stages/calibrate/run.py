@@ -207,7 +207,7 @@ def _write(out: Path, got: Collected, record: dict, t0: float, overwrite: bool, 
 def choose_pipeline(config: CalibConfig, shapes) -> str:
     """``whole`` or ``sequential`` for ``--pipeline`` (``auto``: sequential when the weights do not
     fit the devices the whole model would use, and only for what sequential supports)."""
-    if config.pipeline == "sequential":
+    if config.pipeline == "sequential" or config.gptq_propagate:
         if config.scores == "kl":
             raise UserError("--pipeline sequential computes --scores grad or none, not kl: use --scores grad, or --pipeline whole")
         if "awq" in config.weight_algo.split("+"):

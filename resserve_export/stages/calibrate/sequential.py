@@ -34,7 +34,10 @@ from pathlib import Path
 import torch
 
 from resserve_export.algorithms import gptq
+from resserve_export.algorithms.emulate import EmulatedLinear, QuantizedWeight, swapped
 from resserve_export.algorithms.scores.batches import take
+from resserve_export.formats import registry
+from resserve_export.formats.qtensor import FP4Tensor
 from resserve_export.modeling.forward import forward_kwargs
 from resserve_export.observers.hessian import HessianCollector
 from resserve_export.observers.kv import KVCollector
@@ -75,10 +78,13 @@ class _Passes:
 
     def __init__(
         self, shell: Shell, batches, groups, spill: Path, kv: bool, scores: ScoreSpec | None, score_batches, combine, gptq_format=None,
+        gptq_propagate: bool = False,
     ):
         self.shell, self.batches, self.groups, self.scores, self.combine = shell, batches, groups, scores, combine
         # ``--weight-algo gptq``: (format, MX scale rounding, column order), and what it quantized so far.
         self.gptq_format = gptq_format
+        # Later layers' inputs through the earlier layers as served (`_propagate`).
+        self.gptq_propagate = gptq_propagate and gptq_format is not None
         self.gptq_out: dict = {}
         self.gptq_fallback: dict = {}
         model, dev = shell.model, shell.device
@@ -161,7 +167,8 @@ class _Passes:
                     if hc is not None:
                         hc.set_mask(b["attention_mask"])
                     out = layer(self.store.get(bi), **self.captured[li][bi])
-                    self.store.put(bi, out[0] if isinstance(out, tuple) else out)
+                    if not self.gptq_propagate:  # else the inputs stay for `_propagate`
+                        self.store.put(bi, out[0] if isinstance(out, tuple) else out)
                     if hc is not None:
                         hc.end_batch()
                     if progress is not None:
@@ -176,6 +183,8 @@ class _Passes:
                 h, rows = hc.take(g.modules[0])
                 ws = [self.shell.model.get_submodule(m).weight.detach() for m in g.modules]
                 gptq.quantize_group(g, ws, h, rows, fmt, rounding, self.gptq_out, self.gptq_fallback, order=order)
+            if self.gptq_propagate:
+                self._propagate(li, mine)
         self.captured[li] = []
         if self.sb:
             col.paused = True
@@ -185,6 +194,37 @@ class _Passes:
                     out = out[0] if isinstance(out, tuple) else out
                     self.s_inputs[li + 1].put(bi, out)
             col.paused = False
+
+    def _propagate(self, li: int, mine: list) -> None:
+        """Layer `li`'s outputs, the next layer's inputs, computed again with its linears as they
+        will be served: the GPTQ weights, the inputs quantized with the α of the amax just
+        calibrated (W4A4, no compensation; `emulate.EmulatedLinear`). The later layers' Hessians
+        and statistics then see the earlier layers' quantization error, as llm-compressor's
+        sequential pipeline propagates it (``--gptq-propagate``)."""
+        fmt, rounding, _ = self.gptq_format
+        f = registry.get(fmt)
+        model, dev = self.shell.model, self.shell.device
+        served = {}
+        for g in mine:
+            amax = self.col.group_amax(self.groups.index(g))
+            alpha = f.input_alpha(amax.to(dev)) if f.has_tensor_scale else None
+            for m in g.modules:
+                q = self.gptq_out[m]
+                q = FP4Tensor(q.fmt, q.codes.to(dev), q.scales.to(dev), None if q.global_scale is None else q.global_scale.to(dev))
+                qw = QuantizedWeight.from_stored(fmt, 0.0, rounding, None, q, None)
+                served[m] = EmulatedLinear.from_weight(model.get_submodule(m), qw, input_alpha=alpha)
+        self.col.paused = True
+        if self.kvc is not None:
+            self.kvc.paused = True
+        try:
+            with swapped(model, served), torch.inference_mode():
+                for bi in range(len(self.batches)):
+                    out = self.shell.layers[li](self.store.get(bi), **self.captured[li][bi])
+                    self.store.put(bi, out[0] if isinstance(out, tuple) else out)
+        finally:
+            self.col.paused = False
+            if self.kvc is not None:
+                self.kvc.paused = False
 
     def statistics(self) -> SequentialResult:
         """The statistics of every batch (of every rank with `combine`), without scores."""
@@ -203,6 +243,8 @@ class _Passes:
         if self.gptq_format is not None:
             fmt, rounding, order = self.gptq_format
             result.gptq, result.gptq_record = self.gptq_out, gptq.record(fmt, rounding, self.gptq_out, self.gptq_fallback, order=order)
+            if self.gptq_propagate:
+                result.gptq_record["propagate"] = True
         return result
 
     def backward(self, result: SequentialResult, progress, resume, at=None, log=None) -> dict:
@@ -217,7 +259,7 @@ class _Passes:
 def collect_sequential(
     model_dir: Path, device: str, dtype: str, batches: list[dict], groups, spill: Path, progress=None, kv: bool = True,
     scores: ScoreSpec | None = None, resume=None, on_resume=None, score_batches: list | None = None, combine=None,
-    score_log: dict | None = None, gptq_format: tuple[str, str, str] | None = None,
+    score_log: dict | None = None, gptq_format: tuple[str, str, str] | None = None, gptq_propagate: bool = False,
 ) -> SequentialResult:
     """Statistics of a whole-model `calibrate.collect`, layer by layer, and with `scores` the
     grad scores of `scores.compute_scores` by layer-wise recomputation. `spill`: a directory for
@@ -230,11 +272,13 @@ def collect_sequential(
     returns the statistics of all ranks (stats, num_tokens, kv statistics, why none), and
     `score_log` for its score additions (`scores.grad.ScoreSums`). `gptq_format`: (format, MX
     scale rounding, `gptq.ORDERS` column order) of ``--weight-algo gptq``, whose linears are quantized at the end of their
-    layer's pass from that pass's Hessians (no resume points: the caller passes none)."""
+    layer's pass from that pass's Hessians (no resume points: the caller passes none); with
+    `gptq_propagate` each layer's outputs are then recomputed through its quantized linears
+    (`_Passes._propagate`)."""
     shell = open_shell(model_dir, device, dtype)
     if gptq_format is not None and resume is not None:
         raise ValueError("GPTQ in the sequential pipeline keeps no resume points")
-    run = _Passes(shell, batches, groups, spill, kv, scores, score_batches, combine, gptq_format)
+    run = _Passes(shell, batches, groups, spill, kv, scores, score_batches, combine, gptq_format, gptq_propagate)
     point = resume.load() if resume is not None else None
     phase, done = (point[0]["phase"], point[0]["layer"]) if point is not None else ("forward", -1)
     n_layers = len(shell.layers)

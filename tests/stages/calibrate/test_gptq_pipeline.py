@@ -166,6 +166,33 @@ def test_the_sequential_pipeline_gives_the_same_gptq_weights(setup, tmp_path):
 
 
 @GPTQ
+def test_propagated_gptq_takes_later_layers_through_the_quantized_earlier_ones(setup, tmp_path):
+    """--gptq-propagate (the sequential pipeline picked for it): layer 0 sees the model's own
+    inputs, so its GPTQ weights and statistics are the plain run's bit for bit; every later
+    layer's inputs come through the quantized layers before it, so its statistics and GPTQ
+    weights differ; the record says so and pack writes a checkpoint verify reads back."""
+    root, model, texts, calibs = setup
+    calib = cal.calibrate(str(model), tmp_path / "prop", _config(texts, "gptq", gptq_propagate=True), show_progress=False).path
+    meta = _meta(calib)
+    assert meta["pipeline"] == "sequential" and meta["weight_algo"]["propagate"] is True
+    assert "propagate" not in _meta(calibs["gptq"])["weight_algo"]
+    ours, plain = load_file(str(calib / gptq.FILE)), load_file(str(calibs["gptq"] / gptq.FILE))
+    assert ours.keys() == plain.keys()
+    first = [k for k in ours if ".layers.0." in k]
+    later = [k for k in ours if ".layers.0." not in k and k.endswith("gptq_codes")]
+    assert first and later
+    assert all(torch.equal(bits(ours[k]), bits(plain[k])) for k in first)
+    assert all(not torch.equal(ours[k], plain[k]) for k in later)
+    s_prop, s_plain = load_stats(calib), load_stats(calibs["gptq"])
+    for name in s_prop:
+        same = torch.equal(s_prop[name]["mean_abs"], s_plain[name]["mean_abs"])
+        assert same == (".layers.0." in name), name
+    out = pack(model, calib, root / "verify-prop", "nvfp4", ratio=0.0, progress=False).out
+    rep = verify(out, str(model), text=str(texts), samples=4, seq_len=32, calib=calib, device="cpu")
+    assert rep["weights_match_reference"] is True
+
+
+@GPTQ
 @pytest.mark.parametrize(
     "extra,needle",
     [
@@ -173,6 +200,8 @@ def test_the_sequential_pipeline_gives_the_same_gptq_weights(setup, tmp_path):
         (["--weight-algo", "gptq", "--pipeline", "sequential", "--resume"], "--resume does not continue a GPTQ calibration"),
         (["--weight-algo", "spqr"], "unknown --weight-algo 'spqr': choose one of rtn, awq, gptq, awq+gptq"),
         (["--weight-algo", "gptq", "--gptq-order", "random"], "--gptq-order must be one of activation, block, got 'random'"),
+        (["--weight-algo", "rtn", "--gptq-propagate"], "--gptq-propagate goes with --weight-algo gptq, not rtn"),
+        (["--weight-algo", "gptq", "--gptq-propagate", "--pipeline", "whole"], "--gptq-propagate runs layer by layer: pass --pipeline sequential"),
     ],
 )
 def test_what_gptq_does_not_do_is_one_line(setup, extra, needle, tmp_path):
