@@ -18,6 +18,7 @@ most frequent; the default saves one every 600 s), with the state's size on disk
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import tempfile
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 from resserve_export.observers import stats
-from resserve_export.modeling import modelio
+from resserve_export.modeling import data, forward, modelio
 from resserve_export.stages.calibrate import sequential
 from resserve_export.stages.calibrate.backward import ScoreSpec  # noqa: E402
 from resserve_export.modeling.groups import group_linears, linears_of
@@ -170,6 +171,8 @@ def main() -> None:
     ap.add_argument("--scores", action="store_true")
     ap.add_argument("--score-samples", type=int, default=8)
     ap.add_argument("--resume", action="store_true", help="also time sequential with a resume point after every layer")
+    ap.add_argument("--micro-batch", choices=("auto", "off"), default="auto",
+                    help="auto: batches cut into micro-batches as `calibrate` cuts them on a GPU (forward.micro_batch_rows); off: as given")
     ap.add_argument("--dir", default=None, help="where to write the random model (default: a temporary directory)")
     ap.add_argument("--profile", action="store_true",
                     help="also time the sequential run's phases (each timed region synchronises the device, so this run is slower)")
@@ -181,6 +184,10 @@ def main() -> None:
     size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     print(f"random {args.shape} ({size / 1e9:.1f} GB) written in {time.perf_counter() - t:.1f} s", flush=True)
     batches = random_batches(args.samples, args.batch, args.seq, SHAPES[args.shape]["vocab_size"])
+    rows = None
+    if args.micro_batch == "auto":  # what `calibrate` runs on this device, in both pipelines alike
+        rows = forward.micro_batch_rows(json.loads((model_dir / "config.json").read_text()), 2, args.device)
+        batches = data.micro_batches(batches, rows)
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
     hidden_bytes = args.samples * args.seq * SHAPES[args.shape]["hidden_size"] * 2
 
@@ -246,7 +253,8 @@ def main() -> None:
         t_scores = time.perf_counter() - t
 
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
-    print(f"\nrandom {args.shape} ({size / 1e9:.1f} GB bf16) on {dev}: {args.samples} x {args.seq} tokens, batch {args.batch}; "
+    print(f"\nrandom {args.shape} ({size / 1e9:.1f} GB bf16) on {dev}: {args.samples} x {args.seq} tokens, batch {args.batch} "
+          f"({'no micro-batches' if rows is None else f'micro-batches of {max(1, rows // args.seq)} samples'}); "
           f"one decoder layer {layer_bytes / 2**30:.2f} GiB, hidden states {hidden_bytes / 2**30:.2f} GiB\n")
     print("| pipeline | wall s (incl. load) | tokens/s | peak device memory GiB |")
     print("|---|---:|---:|---:|")

@@ -289,3 +289,22 @@ def batches(samples: list[Sample], batch_size: int, pad_token_id: int = 0) -> li
             mask[r, : len(s.input_ids)] = 1
         out.append({"input_ids": ids, "attention_mask": mask})
     return out
+
+
+def micro_batches(batches: list[dict], rows: int | None) -> list[dict]:
+    """`batches` with each one cut, in order, into pieces of whole samples holding at most `rows`
+    token rows (samples × width; one sample at least): the same samples in the same order, so
+    every observer sees the same tokens. None or a batch that fits leaves it as it is; a second
+    call changes nothing."""
+    if rows is None:
+        return batches
+    out = []
+    for b in batches:
+        n, width = b["input_ids"].shape
+        per = max(1, rows // max(1, width))
+        if per >= n:
+            out.append(b)
+            continue
+        for i in range(0, n, per):
+            out.append({k: v[i : i + per] for k, v in b.items()})
+    return out

@@ -31,7 +31,7 @@ from resserve_export.core import devices
 from resserve_export.core.distributed import Ranks, world_size
 from resserve_export.core.errors import UserError
 from resserve_export.core.outputs import check_out_dir, clean_stale, write_dir_atomic
-from resserve_export.modeling import data, families, modelio
+from resserve_export.modeling import data, families, forward, modelio
 from resserve_export.modeling.experts import expert_blocks
 from resserve_export.observers import kv as kvcache
 from resserve_export.stages.calibrate import sequential
@@ -104,6 +104,10 @@ def calibrate(
     pipeline = "whole" if blocks else choose_pipeline(config, shapes)
     if ranks is not None:
         pipeline = ranks.broadcast(pipeline)  # auto: rank 0's choice (free memory differs by device)
+    if not blocks:  # a GPU runs big batches in pieces (`forward.GPU_ACTIVATION_BYTES`); experts bound their own buffers
+        cfg = json.loads((model_dir / "config.json").read_text())
+        rows = forward.micro_batch_rows(cfg, getattr(torch, config.dtype).itemsize, devices.resolve_device(config.device))
+        batches = data.micro_batches(batches, rows)
     if resume and pipeline != "sequential":
         raise UserError("--resume continues a layer-by-layer run: pass --pipeline sequential with the interrupted run's settings")
     if resume and config.weight_algo == "gptq":

@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from safetensors.torch import load_file
+
 from resserve_export.core.errors import UserError
+from resserve_export.modeling import data, forward
 from resserve_export.stages.calibrate import run as cal
 from resserve_export.stages.calibrate.config import make_config
 from resserve_export.stages.calibrate import sequential
@@ -56,6 +59,35 @@ def test_sequential_statistics_equal_the_whole_model_run_bit_for_bit(setup, arch
     assert (a["pipeline"], b["pipeline"]) == ("whole", "sequential")
     for k in ("num_tokens", "groups", "samples_sha256", "kv_cache"):
         assert a[k] == b[k], k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_gpu_micro_batches_keep_the_pipelines_equal(setup, arch, tmp_path, monkeypatch):
+    """A GPU activation budget that cuts every batch into single samples: the whole and the
+    sequential pipelines still write the same statistics, KV-cache amax and grad scores, and the
+    statistics differ from those of whole batches only by float32 rounding."""
+    _, texts, models = setup
+    kw = {"device": "cuda", "scores": "grad", "score_samples": 4}
+    ref = _calibrate(models[arch], tmp_path / "ref", texts, "whole", **kw)
+    cut = []
+    real = data.micro_batches
+    monkeypatch.setattr(forward, "GPU_ACTIVATION_BYTES", 1)
+    monkeypatch.setattr(data, "micro_batches", lambda b, rows: cut.append(real(b, rows)) or cut[-1])
+    whole = _calibrate(models[arch], tmp_path / "whole", texts, "whole", **kw)
+    seq = _calibrate(models[arch], tmp_path / "seq", texts, "sequential", **kw)
+    assert [[int(b["input_ids"].shape[0]) for b in c] for c in cut] == [[1] * 7] * 2
+    for name in ("salience.safetensors", "kv_cache.safetensors"):
+        assert (seq / name).read_bytes() == (whole / name).read_bytes(), name
+    a, b = (json.loads((d / "scores.json").read_text()) for d in (whole, seq))
+    for ga, gb in zip(a["groups"], b["groups"]):
+        for r, x in ga["scores"].items():
+            assert gb["scores"][r] == pytest.approx(x, rel=1e-6, abs=1e-30), (ga["modules"], r)
+    one, pieces = (load_file(str(d / "salience.safetensors")) for d in (ref, whole))
+    assert one.keys() == pieces.keys()
+    for k in one:
+        torch.testing.assert_close(pieces[k], one[k], rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize(
