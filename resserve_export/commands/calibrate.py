@@ -37,7 +37,7 @@ def command(
     ] = None,
     num_samples: Annotated[Optional[int], typer.Option(help="Number of sequences." + _default(_D.num_samples))] = None,
     seq_len: Annotated[Optional[int], typer.Option(help="Tokens per sequence, at most." + _default(_D.seq_len))] = None,
-    batch_size: Annotated[Optional[int], typer.Option(help="Sequences per forward pass." + _default(_D.batch_size))] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Sequences per forward pass, at most (a GPU runs a batch whose activations would pass 256 MiB in smaller pieces)." + _default(_D.batch_size))] = None,
     seed: Annotated[Optional[int], typer.Option(help="Sampling seed." + _default(_D.seed))] = None,
     device: Annotated[
         Optional[str], typer.Option(help="auto (accelerate device_map over GPUs/CPU/disk), cpu, cuda or cuda:N." + _default(_D.device, preset=False))
