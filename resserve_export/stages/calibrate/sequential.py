@@ -94,6 +94,7 @@ class _Passes:
         self.kw.pop("logits_to_keep", None)
         hidden = int(model.config.get_text_config().hidden_size) * shell.dtype.itemsize
         self.store = HiddenStore(choose_store(sum(int(b["input_ids"].numel()) for b in batches) * hidden, dev), spill / "stats", dev)
+        self._waiting: HiddenStore | None = None  # layer 0's inputs in host memory until `settle`
         self.sb, self.s_inputs, self.s_kwargs = [], [], []
         self.captured: list[list[dict]] = []
         if scores is not None:
@@ -108,11 +109,25 @@ class _Passes:
         """The capture passes: layer 0's input and every layer's keyword arguments, per batch (the
         score batches without the KV cache and outside inference mode, as autograd needs)."""
         if forward:
+            # On a GPU layer 0's inputs wait in host memory until the embedding has left the
+            # device (`settle`): the embedding and every batch's hidden states never share it.
+            into = self.store
+            if self.store.where == "device" and self.shell.device.type == "cuda":
+                into = self._waiting = HiddenStore("cpu", None, self.shell.device)
             with torch.inference_mode():
-                self.captured = capture(self.shell, self.batches, self.kw, self.store, self.kvc.forward_kwargs if self.kvc is not None else None)
+                self.captured = capture(self.shell, self.batches, self.kw, into, self.kvc.forward_kwargs if self.kvc is not None else None)
         if self.sb:
             with torch.no_grad():
                 self.s_kwargs = capture(self.shell, self.sb, {"use_cache": False}, self.s_inputs[0])
+
+    def settle(self) -> None:
+        """Layer 0's inputs onto the device, once the embedding has left it (`capture`); batches a
+        resume point already restored stay as restored."""
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None:
+            for bi in range(len(self.store.items), len(waiting.items)):
+                self.store.put(bi, waiting.get(bi))
+                waiting.items[bi] = None
 
     def restore(self, point, resume) -> None:
         """Continue from the resume point: its hidden states and accumulators, exactly."""
@@ -292,6 +307,7 @@ def collect_sequential(
         embed = shell.model.get_input_embeddings()
         embed_names = [n for n, p_ in shell.model.named_parameters() if any(p_ is q for q in embed.parameters())]
         unload(shell.model, embed_names)  # parameters only: buffers (Gemma's embedding scale) stay
+        run.settle()
         if phase == "backward":
             # Statistics done; scores of layers >= `done` done.
             meta, state, files = point
