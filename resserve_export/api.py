@@ -167,7 +167,7 @@ def calibrate(
     ``seed``, ``device``, ``dtype``, ``scores``, ``score_samples``, ``score_precision``,
     ``format``, ``mx_scale``, ``weight_algo`` (``rtn``, ``awq``, ``gptq`` or ``awq+gptq``), ``awq_tokens``, ``gptq_order``
     (``activation`` or ``block``), ``gptq_propagate`` (GPTQ layer by layer, each layer's outputs recomputed through its
-    quantized linears), ``pipeline``
+    GPTQ weights), ``pipeline``
     (``auto``, ``whole`` or ``sequential``), ``moe_calib`` (``all`` or ``routed``: the tokens a
     mixture-of-experts model's experts take their statistics from)). `resume`: continue an interrupted layer-by-layer
     (sequential) run of the same `out` from its last resume point.

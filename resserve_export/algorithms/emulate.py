@@ -238,6 +238,21 @@ def replace_linear(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
     return old
 
 
+class DequantizedLinear(nn.Module):
+    """Drop-in replacement for an ``nn.Linear`` whose weight is its FP4 quantization, dequantized,
+    and whose input is left as it comes: the weights' error alone, in the model's own dtype and
+    GEMM (``F.linear``), where `EmulatedLinear` also quantizes the input and computes in FP32."""
+
+    def __init__(self, linear: nn.Linear, qw: QuantizedWeight):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = qw.w.to(linear.weight.dtype)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+
 @contextmanager
 def swapped(model: nn.Module, replacements: dict[str, nn.Module]):
     """Swap modules of `model` (``{module path: replacement}``, e.g. emulated linears) for the

@@ -89,9 +89,9 @@ def command(
         Optional[bool],
         typer.Option(
             "--gptq-propagate/--no-gptq-propagate",
-            help="GPTQ layer by layer with each layer's outputs recomputed through its quantized linears (GPTQ weights, "
-            "inputs quantized with the calibrated scale), so later layers' Hessians and statistics see the earlier layers' "
-            "error, as llm-compressor's sequential pipeline does; runs the sequential pipeline." + _default(_D.gptq_propagate, preset=False),
+            help="GPTQ layer by layer with each layer's outputs recomputed through its GPTQ weights (dequantized, inputs "
+            "unquantized), so later layers' Hessians and statistics see the earlier layers' weight error, as llm-compressor's "
+            "sequential pipeline does; runs the sequential pipeline." + _default(_D.gptq_propagate, preset=False),
         ),
     ] = None,
     pipeline: Annotated[

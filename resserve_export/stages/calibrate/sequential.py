@@ -28,15 +28,15 @@ its statistics merged with the other ranks' between the forward and the backward
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from resserve_export.algorithms import gptq
-from resserve_export.algorithms.emulate import EmulatedLinear, QuantizedWeight, swapped
+from resserve_export.algorithms.emulate import DequantizedLinear, QuantizedWeight, swapped
 from resserve_export.algorithms.scores.batches import take
-from resserve_export.formats import registry
 from resserve_export.formats.qtensor import FP4Tensor
 from resserve_export.modeling.forward import forward_kwargs
 from resserve_export.observers.hessian import HessianCollector
@@ -210,36 +210,40 @@ class _Passes:
                     self.s_inputs[li + 1].put(bi, out)
             col.paused = False
 
-    def _propagate(self, li: int, mine: list) -> None:
-        """Layer `li`'s outputs, the next layer's inputs, computed again with its linears as they
-        will be served: the GPTQ weights, the inputs quantized with the α of the amax just
-        calibrated (W4A4, no compensation; `emulate.EmulatedLinear`). The later layers' Hessians
-        and statistics then see the earlier layers' quantization error, as llm-compressor's
-        sequential pipeline propagates it (``--gptq-propagate``)."""
+    def _served(self, groups: list) -> dict:
+        """``{module: DequantizedLinear}``: the GPTQ weights of `groups`' members, dequantized."""
         fmt, rounding, _ = self.gptq_format
-        f = registry.get(fmt)
         model, dev = self.shell.model, self.shell.device
         served = {}
-        for g in mine:
-            amax = self.col.group_amax(self.groups.index(g))
-            alpha = f.input_alpha(amax.to(dev)) if f.has_tensor_scale else None
+        for g in groups:
             for m in g.modules:
                 q = self.gptq_out[m]
                 q = FP4Tensor(q.fmt, q.codes.to(dev), q.scales.to(dev), None if q.global_scale is None else q.global_scale.to(dev))
-                qw = QuantizedWeight.from_stored(fmt, 0.0, rounding, None, q, None)
-                served[m] = EmulatedLinear.from_weight(model.get_submodule(m), qw, input_alpha=alpha)
+                served[m] = DequantizedLinear(model.get_submodule(m), QuantizedWeight.from_stored(fmt, 0.0, rounding, None, q, None))
+        return served
+
+    @contextmanager
+    def _observers_paused(self):
         self.col.paused = True
         if self.kvc is not None:
             self.kvc.paused = True
         try:
-            with swapped(model, served), torch.inference_mode():
-                for bi in range(len(self.batches)):
-                    out = self.shell.layers[li](self.store.get(bi), **self.captured[li][bi])
-                    self.store.put(bi, out[0] if isinstance(out, tuple) else out)
+            yield
         finally:
             self.col.paused = False
             if self.kvc is not None:
                 self.kvc.paused = False
+
+    def _propagate(self, li: int, mine: list) -> None:
+        """Layer `li`'s outputs, the next layer's inputs, computed again with its linears' GPTQ
+        weights (dequantized; the inputs unquantized, `emulate.DequantizedLinear`), so that the later
+        layers' Hessians and statistics see the earlier layers' weight error, as llm-compressor's
+        sequential pipeline propagates it (``--gptq-propagate``)."""
+        model = self.shell.model
+        with self._observers_paused(), swapped(model, self._served(mine)), torch.inference_mode():
+            for bi in range(len(self.batches)):
+                out = self.shell.layers[li](self.store.get(bi), **self.captured[li][bi])
+                self.store.put(bi, out[0] if isinstance(out, tuple) else out)
 
     def statistics(self) -> SequentialResult:
         """The statistics of every batch (of every rank with `combine`), without scores."""

@@ -165,14 +165,37 @@ def test_the_sequential_pipeline_gives_the_same_gptq_weights(setup, tmp_path):
             assert v == pytest.approx(b["scores"][r], rel=1e-4, abs=1e-9), (a["modules"], r)
 
 
+@pytest.fixture(scope="module")
+def propagated(setup, tmp_path_factory):
+    _, model, texts, _ = setup
+    out = tmp_path_factory.mktemp("gptq-prop") / "prop"
+    return cal.calibrate(str(model), out, _config(texts, "gptq", gptq_propagate=True), show_progress=False).path
+
+
+def _served_model(model_dir, calib, modules):
+    """The calibration's model with `modules` replaced by their GPTQ weights, dequantized (the
+    inputs unquantized), and the batches calibrate ran."""
+    from resserve_export.algorithms.emulate import DequantizedLinear, QuantizedWeight, swapped
+
+    meta = _meta(calib)
+    net = modelio.load_model(model_dir, meta["dtype"])
+    stored = gptq.Stored(calib / gptq.FILE, "nvfp4")
+    served = {m: DequantizedLinear(net.get_submodule(m), QuantizedWeight.from_stored("nvfp4", 0.0, "ceil", None, stored.get(m), None))
+              for m in modules}
+    tok = modelio.load_tokenizer(model_dir)
+    cfg = meta["config"]
+    samples = data.make_samples(tok, data.load_documents(cfg["dataset"]), cfg["num_samples"], cfg["seq_len"], cfg["seed"])
+    return net, swapped(net, served), data.batches(samples, cfg["batch_size"], data.pad_id(tok))
+
+
 @GPTQ
-def test_propagated_gptq_takes_later_layers_through_the_quantized_earlier_ones(setup, tmp_path):
+def test_propagated_gptq_takes_later_layers_through_the_quantized_earlier_ones(setup, propagated, tmp_path):
     """--gptq-propagate (the sequential pipeline picked for it): layer 0 sees the model's own
     inputs, so its GPTQ weights and statistics are the plain run's bit for bit; every later
     layer's inputs come through the quantized layers before it, so its statistics and GPTQ
     weights differ; the record says so and pack writes a checkpoint verify reads back."""
     root, model, texts, calibs = setup
-    calib = cal.calibrate(str(model), tmp_path / "prop", _config(texts, "gptq", gptq_propagate=True), show_progress=False).path
+    calib = propagated
     meta = _meta(calib)
     assert meta["pipeline"] == "sequential" and meta["weight_algo"]["propagate"] is True
     assert "propagate" not in _meta(calibs["gptq"])["weight_algo"]
@@ -180,7 +203,7 @@ def test_propagated_gptq_takes_later_layers_through_the_quantized_earlier_ones(s
     assert ours.keys() == plain.keys()
     first = [k for k in ours if ".layers.0." in k]
     later = [k for k in ours if ".layers.0." not in k and k.endswith("gptq_codes")]
-    assert first and later
+    assert first and len(later) == 7
     assert all(torch.equal(bits(ours[k]), bits(plain[k])) for k in first)
     assert all(not torch.equal(ours[k], plain[k]) for k in later)
     s_prop, s_plain = load_stats(calib), load_stats(calibs["gptq"])
@@ -190,6 +213,39 @@ def test_propagated_gptq_takes_later_layers_through_the_quantized_earlier_ones(s
     out = pack(model, calib, root / "verify-prop", "nvfp4", ratio=0.0, progress=False).out
     rep = verify(out, str(model), text=str(texts), samples=4, seq_len=32, calib=calib, device="cpu")
     assert rep["weights_match_reference"] is True
+
+
+@GPTQ
+def test_propagation_oracles_a_served_whole_model(setup, propagated):
+    """What --gptq-propagate computes, against the whole model with layer 0's GPTQ weights put in
+    by hand (dequantized, its inputs unquantized, as llm-compressor propagates GPTQ): layer 1's
+    statistics are that model's, and layer 1's q/k/v are GPTQ on the Hessian their input has
+    there, bit for bit."""
+    from resserve_export.modeling.groups import group_linears, linears_of
+    from resserve_export.observers.hessian import HessianCollector
+    from resserve_export.observers.stats import collect
+
+    _, model, _, _ = setup
+    stored = gptq.Stored(propagated / gptq.FILE, "nvfp4")
+    net, served, batches = _served_model(model, propagated, [m for m in stored.modules if ".layers.0." in m])
+    groups = group_linears(linears_of(net))
+    g = next(g for g in groups if g.modules[0] == "model.layers.1.self_attn.q_proj")
+    with served:
+        stats, _ = collect(net, batches, groups)
+        with HessianCollector(net, [g.modules[0]]) as hc, torch.inference_mode():
+            for b in batches:
+                hc.set_mask(b["attention_mask"])
+                net(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
+                hc.end_batch()
+            h, rows = hc.take(g.modules[0])
+    got = load_stats(propagated)
+    ones = [m for m in got if ".layers.1." in m]
+    assert len(ones) == 7 and all(torch.equal(stats[m]["mean_abs"], got[m]["mean_abs"]) for m in ones)
+    out: dict = {}
+    gptq.quantize_group(g, [net.get_submodule(m).weight.detach() for m in g.modules], h, rows, "nvfp4", "ceil", out, {})
+    for m in g.modules:
+        mine = stored.get(m)
+        assert torch.equal(out[m].codes, mine.codes) and torch.equal(bits(out[m].scales), bits(mine.scales)), m
 
 
 @GPTQ
