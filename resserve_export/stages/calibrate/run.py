@@ -88,7 +88,8 @@ def calibrate(
     modelio.check_architecture(model_dir, "calibrate")
     shapes = modelio.tensor_shapes(model_dir)
     blocks = expert_blocks(shapes, "calibrated")
-    families.check_weight_algo(json.loads((model_dir / "config.json").read_text()), config.weight_algo, "calibrated")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    families.check_weight_algo(cfg, config.weight_algo, "calibrated")
     if blocks:
         _check_moe_settings(config, world_size())
     check_in_features(quantized_linears(shapes))
@@ -105,7 +106,6 @@ def calibrate(
     if ranks is not None:
         pipeline = ranks.broadcast(pipeline)  # auto: rank 0's choice (free memory differs by device)
     if not blocks:  # a GPU runs big batches in pieces (`forward.GPU_ACTIVATION_BYTES`); experts bound their own buffers
-        cfg = json.loads((model_dir / "config.json").read_text())
         rows = forward.micro_batch_rows(cfg, getattr(torch, config.dtype).itemsize, devices.resolve_device(config.device))
         batches = data.micro_batches(batches, rows)
     if resume and pipeline != "sequential":
