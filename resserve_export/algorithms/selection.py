@@ -44,6 +44,27 @@ def select_mask(mean_abs: torch.Tensor, ratio: float) -> torch.Tensor:
     return _BITS[order].sum(dim=-1).to(torch.uint8)
 
 
+def select_masks(mean_abs: torch.Tensor, ratios) -> dict[float, torch.Tensor]:
+    """``{ρ: select_mask(mean_abs, ρ)}`` from one stable sort: the top-k of every group are the
+    first k of its sorted order, so the selections are nested and the masks the same bits."""
+    ratios = [check_ratio(r) for r in ratios]
+    K = mean_abs.shape[-1]
+    if K % SELECTION_GROUP:
+        raise ValueError(f"in_features {K} is not a multiple of the selection group {SELECTION_GROUP}")
+    partial = [r for r in ratios if r not in (0, 1)]
+    order = None
+    if partial:
+        groups = mean_abs.detach().float().cpu().reshape(-1, SELECTION_GROUP)
+        order = torch.sort(groups, dim=-1, descending=True, stable=True).indices
+    out = {}
+    for r in ratios:
+        if r in (0, 1):
+            out[r] = select_mask(mean_abs, r)
+        else:
+            out[r] = _BITS[order[:, : int(round(r * SELECTION_GROUP))]].sum(dim=-1).to(torch.uint8)
+    return out
+
+
 def mask_to_bool(mask: torch.Tensor) -> torch.Tensor:
     """uint8 ``[K/8]`` -> bool ``[K]``."""
     return ((mask.to(torch.int32).unsqueeze(-1) & _BITS.to(mask.device)) != 0).reshape(-1)
@@ -60,4 +81,4 @@ def bool_to_mask(selected: torch.Tensor) -> torch.Tensor:
     return (g * _BITS.to(selected.device)).sum(dim=-1).to(torch.uint8)
 
 
-__all__ = ["PARTIAL_RATIOS", "check_ratio", "mode_of", "select_mask", "mask_to_bool", "mask_to_indices", "bool_to_mask"]
+__all__ = ["PARTIAL_RATIOS", "check_ratio", "mode_of", "select_mask", "select_masks", "mask_to_bool", "mask_to_indices", "bool_to_mask"]

@@ -97,3 +97,16 @@ def test_mask_conversions_round_trip():
     assert torch.equal(idx, torch.nonzero(sel).reshape(-1))
     assert (idx[1:] > idx[:-1]).all()  # ascending: the compaction order
     assert mask_to_indices(torch.tensor([0b1000_0001, 0b0000_0100], dtype=torch.uint8)).tolist() == [0, 7, 10]
+
+
+def test_select_masks_from_one_sort_are_select_mask():
+    """`select_masks` (one stable sort for every ratio) gives `select_mask`'s bits, ties included."""
+    from resserve_export.algorithms.selection import select_masks
+    from resserve_export.formats.constants import RATIOS
+
+    g = torch.Generator().manual_seed(0)
+    for mean_abs in (torch.rand(256, generator=g), torch.randint(0, 3, (256,), generator=g).float(), torch.zeros(64)):
+        got = select_masks(mean_abs, RATIOS)
+        assert set(got) == set(RATIOS)
+        for r in RATIOS:
+            assert torch.equal(got[r], select_mask(mean_abs, r)), r
