@@ -144,21 +144,38 @@ def _check_mask(mask: torch.Tensor, K: int, k: int, device, count: bool = True) 
     return mask
 
 
+_SPARE: dict = {}
+
+
+def _spare(dev: torch.device) -> tuple:
+    """Per device, the launch's unused arguments (no mask, no full residue, no α), made once: a
+    call per activation and ratio in the grad scores would otherwise allocate them every time."""
+    if dev not in _SPARE:
+        _SPARE[dev] = (
+            torch.empty(0, dtype=torch.uint8, device=dev),
+            torch.empty((0, 0), dtype=torch.uint8, device=dev),
+            torch.empty((0, 0), dtype=torch.uint8, device=dev),
+            torch.zeros((), dtype=torch.float32, device=dev),
+        )
+    return _SPARE[dev]
+
+
 def _run(x: torch.Tensor, mask, ksel: int, fmt: str, alpha, rounding: ScaleRounding, K_E: int, out=None, rows=None, max_ctas=None):
     """Launch the kernel on 2-D contiguous x; returns (codes, scales, rcodes, rscales) as uint8."""
     M, K = x.shape
     f = registry.get(fmt)
     b = f.block
     dev = x.device
+    spare = _spare(dev)
     if out is None:
         out = (
             torch.empty((M, (K + K_E) // 2), dtype=torch.uint8, device=dev),
             torch.empty((M, (K + K_E) // b), dtype=torch.uint8, device=dev),
-            torch.empty((M, K // 2) if ksel == 8 else (0, 0), dtype=torch.uint8, device=dev),
-            torch.empty((M, K // b) if ksel == 8 else (0, 0), dtype=torch.uint8, device=dev),
+            torch.empty((M, K // 2), dtype=torch.uint8, device=dev) if ksel == 8 else spare[1],
+            torch.empty((M, K // b), dtype=torch.uint8, device=dev) if ksel == 8 else spare[2],
         )
-    empty = torch.empty(0, dtype=torch.uint8, device=dev)
-    a = alpha if alpha is not None else torch.zeros((), dtype=torch.float32, device=dev)
+    empty = spare[0]
+    a = alpha if alpha is not None else spare[3]
     _extension().quantize_extend_out(
         x, mask if mask is not None else empty, a, *out, ksel, f.kernel_code, _ROUNDING_CODE[rounding], K_E,
         DEFAULT_ROWS if rows is None else rows,
