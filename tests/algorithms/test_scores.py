@@ -674,3 +674,60 @@ def test_gpu_fused_kernels_give_the_eager_scores(tiny_bf16, precision, monkeypat
             k = S.ratio_key(k)
             assert e["scores"][k] > 0
             assert math.isclose(a["scores"][k], e["scores"][k], rel_tol=1e-5), (precision, a["modules"], k)
+
+
+def _two_members(seed: int = 0):
+    """A two-member group (a, b) of bf16 linears with candidates, on the CPU."""
+    from resserve_export.modeling.groups import Group
+
+    torch.manual_seed(seed)
+    model = torch.nn.Module()
+    model.a = torch.nn.Linear(64, 32, bias=False).bfloat16()
+    model.b = torch.nn.Linear(64, 48, bias=False).bfloat16()
+    st = {m: {"mean_abs": torch.rand(64), "amax": torch.tensor(12.0)} for m in ("a", "b")}
+    group = Group(("a", "b"), 64, (32, 48))
+    return model, group, C.Candidates(model, group, st, RATIOS, "nvfp4", "ceil")
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_group_products_over_stacked_members_equal_the_members(split):
+    """One product per ratio over the stacked weights, read per member's columns, gives each
+    member's own sums; the stacked quantization gives each member the bits of quantizing it alone."""
+    model, group, c = _two_members()
+    x = (torch.randn(40, 64) * 3).bfloat16()
+    grads = [torch.randn(40, 32).bfloat16(), torch.randn(40, 48).bfloat16()]
+    prepared = c.prepare_fast(x, backend="reference", split=split)
+    got = c.group_sums_fast(prepared, [0, 1], grads)
+    want = c.member_sums_fast(prepared, 0, grads[0]) + c.member_sums_fast(prepared, 1, grads[1])
+    assert torch.allclose(got, want, rtol=1e-6, atol=0), (got, want)
+    for i, lin in enumerate((model.a, model.b)):
+        for r in RATIOS:
+            direct = QuantizedWeight(lin.weight.detach(), "nvfp4", ratio=r, mask=c.masks[r], weight_alpha=c.qw[r][i].base.global_scale)
+            assert torch.equal(direct.base.codes, c.qw[r][i].base.codes) and torch.equal(direct.base.scales, c.qw[r][i].base.scales)
+            if direct.ext is not None:
+                assert torch.equal(direct.ext.codes, c.qw[r][i].ext.codes) and torch.equal(direct.ext.scales, c.qw[r][i].ext.scales)
+
+
+def test_members_fed_other_inputs_are_scored_on_their_own():
+    """Members of one group normally read the same tensor and are prepared once; a member fed
+    another input is prepared from its own (the scores of the hooks equal each member's own)."""
+    from resserve_export.algorithms.scores import grad as G
+
+    model, group, c = _two_members(1)
+    x = (torch.randn(2, 20, 64) * 3).bfloat16().requires_grad_(True)
+    sums = G.ScoreSums()
+    hooks, scorers = G.score_hooks(model, [group], {group.modules: c}, RATIOS, True, sums.add)
+    try:
+        ya, yb = model.a(x), model.b(x * 2)
+        (ya.float().pow(2).sum() + yb.float().pow(2).sum()).backward()
+        for s in scorers:
+            s.flush()
+    finally:
+        for h in hooks:
+            h.remove()
+    ga, gb = (2 * ya.detach().float()).bfloat16(), (2 * yb.detach().float()).bfloat16()
+    xa, xb = x.detach().reshape(-1, 64), (x.detach() * 2).reshape(-1, 64)
+    want = c.member_sums_fast(c.prepare_fast(xa), 0, ga.reshape(-1, 32)) + c.member_sums_fast(c.prepare_fast(xb), 1, gb.reshape(-1, 48))
+    assert torch.allclose(sums.acc[group.modules], want, rtol=1e-6, atol=0)
+    shared = c.member_sums_fast(c.prepare_fast(xa), 1, gb.reshape(-1, 48))
+    assert not torch.allclose(shared, want - c.member_sums_fast(c.prepare_fast(xa), 0, ga.reshape(-1, 32)), rtol=1e-3)

@@ -50,7 +50,7 @@ from resserve_export.algorithms.selection import (
     check_ratio,
     mask_to_indices,
     mode_of,
-    select_mask,
+    select_masks,
 )
 from resserve_export.formats import registry
 from resserve_export.formats.constants import RATIOS
@@ -83,33 +83,76 @@ class Candidates:
         mean_abs = torch.as_tensor(st["mean_abs"], dtype=torch.float32)
         amax = torch.as_tensor(st["amax"], dtype=torch.float32)
         self.input_alpha = self.format.input_alpha(amax)  # None without a tensor scale
-        weight_alpha = self.format.weight_alpha(lin.weight.detach() for lin in self.linears)
-        self.masks = {r: select_mask(mean_abs, r) for r in self.ratios}
+        self.masks = select_masks(mean_abs, self.ratios)
         given = {m: (base_weights or {}).get(m) for m in group.modules}
-        base = [
-            QuantizedWeight(lin.weight.detach(), self.format, ratio=0.0, weight_alpha=weight_alpha, rounding=self.rounding)
-            if given[m] is None
-            else _stored(given[m], self.rounding, lin.weight.device)
-            for m, lin in zip(group.modules, self.linears)
-        ]
-        # qw[r][i]: member i at ratio r.
-        self.qw: dict[float, list[QuantizedWeight]] = {}
-        for r in self.ratios:
-            if mode_of(r) == "k_ext":
-                self.qw[r] = [
-                    _extended(b, lin.weight.detach() if given[m] is None else b.w, r, self.masks[r])
-                    for m, b, lin in zip(group.modules, base, self.linears)
-                ]
-            else:
-                self.qw[r] = base
-        # The extensions of given bases were built from their FP32 values: not kept (made again
-        # on first use, as for every other member).
-        for qs in self.qw.values():
-            for m, q in zip(group.modules, qs):
-                if given[m] is not None:
-                    q.w = None
+        # Member k's rows [rows[k], rows[k + 1]) of the group's stacked outputs.
+        self.rows = [0]
+        for lin in self.linears:
+            self.rows.append(self.rows[-1] + lin.out_features)
+        self._stacked = None  # (base FP4, {ρ: extension FP4}) of all members' rows, when built so
+        if any(g is not None for g in given.values()):
+            weight_alpha = self.format.weight_alpha(lin.weight.detach() for lin in self.linears)
+            base = [
+                QuantizedWeight(lin.weight.detach(), self.format, ratio=0.0, weight_alpha=weight_alpha, rounding=self.rounding)
+                if given[m] is None
+                else _stored(given[m], self.rounding, lin.weight.device)
+                for m, lin in zip(group.modules, self.linears)
+            ]
+            # qw[r][i]: member i at ratio r.
+            self.qw: dict[float, list[QuantizedWeight]] = {}
+            for r in self.ratios:
+                if mode_of(r) == "k_ext":
+                    self.qw[r] = [
+                        _extended(b, lin.weight.detach() if given[m] is None else b.w, r, self.masks[r])
+                        for m, b, lin in zip(group.modules, base, self.linears)
+                    ]
+                else:
+                    self.qw[r] = base
+            # The extensions of given bases were built from their FP32 values: not kept (made again
+            # on first use, as for every other member).
+            for qs in self.qw.values():
+                for m, q in zip(group.modules, qs):
+                    if given[m] is not None:
+                        q.w = None
+        else:
+            self.qw = self._quantize_stacked()
         self.backend = "auto"
         self.biases = [None if lin.bias is None else lin.bias.detach().float() for lin in self.linears]
+
+    def _quantize_stacked(self) -> dict[float, list[QuantizedWeight]]:
+        """Every member quantized as one stacked weight ``[ΣN, K]``: one quantization for the base
+        and one per extension instead of one per member (rows are quantized independently, with
+        the group's one α, so each member's rows are the bits of quantizing it alone). Members get
+        row views of the stacked codes and scales."""
+        ws = [lin.weight.detach() for lin in self.linears]
+        w = ws[0] if len(ws) == 1 else torch.cat(ws)
+        # The group's α from the stacked weight: the max of the members' amax, one read-back.
+        weight_alpha = self.format.weight_alpha([w])
+        stacked = QuantizedWeight(w, self.format, ratio=0.0, weight_alpha=weight_alpha, rounding=self.rounding)
+        exts = {
+            r: kernel.extend_weight(w, self.masks[r], r, self.fmt, self.rounding, alpha=stacked.base.global_scale)
+            for r in self.ratios
+            if mode_of(r) == "k_ext"
+        }
+        self._stacked = (stacked.base, exts)
+        base = [QuantizedWeight.from_stored(self.fmt, 0.0, self.rounding, None, self._rows_of(stacked.base, k), None) for k in range(len(ws))]
+        qw = {}
+        for r in self.ratios:
+            if r in exts:
+                qw[r] = []
+                for k, b in enumerate(base):
+                    q = copy.copy(b)
+                    q.ratio, q.mask, q.w_ext = r, self.masks[r], None
+                    q.ext = None if exts[r] is None else self._rows_of(exts[r], k)
+                    qw[r].append(q)
+            else:
+                qw[r] = base
+        return qw
+
+    def _rows_of(self, q: FP4Tensor, k: int) -> FP4Tensor:
+        """Member k's rows of a stacked FP4 tensor (views)."""
+        a, b = self.rows[k], self.rows[k + 1]
+        return FP4Tensor(q.fmt, q.codes[a:b], q.scales[a:b], q.global_scale)
 
     def outputs(self, x: torch.Tensor, r: float, i: int) -> torch.Tensor:
         """Emulated FP4 output of member i at ratio r for x ``[M, K]`` (FP32, bias added)."""
@@ -154,6 +197,10 @@ class Candidates:
     # in the fused layout (one GEMM of width 3K) or the split one (two FP32-output GEMMs, CUDA):
     # see the `bf16` module for the layouts, the reductions and the preparation backends.
 
+    def build_fast_weights(self, split: bool) -> None:
+        """Make the bf16 path's weight operands now (else on first use): part of the one-off cost."""
+        self._fast_weights(0, split)
+
     def _fast_weights(self, i: int, split: bool = False):
         """Member i's bf16 weight operands, built once for the group per layout: fused
         ``([Ŵ' | −H | −L], {ρ: residue weight'})`` (L kept for every member when any member needs
@@ -165,31 +212,34 @@ class Candidates:
         return cache[i]
 
     def _build_fast_weights(self, split: bool) -> list:
-        built, need_lo = [], False
-        for k, lin in enumerate(self.linears):
-            w_exact = self._exact(self.qw[self.ratios[0]][k].base)
-            res = {}
-            for r in self.ratios:
-                mode = mode_of(r)
-                if mode == "full":
-                    res[r] = w_exact
-                elif mode == "k_ext":
-                    res[r] = self._exact(self.qw[r][k].ext)
-            if split:
-                built.append(((w_exact, lin.weight.detach()), res))
-                continue
-            w = lin.weight.detach().float() / self._c()
+        """The group's bf16 weight operands stacked over its members (`_fast_group`), and each
+        member's row views of them (`_fast_weights`)."""
+        comp = [r for r in self.ratios if mode_of(r) != "plain"]
+        if self._stacked is not None:
+            base, exts = self._stacked
+            we = self._exact(base)
+            ext = {r: self._exact(exts[r]) for r in comp if mode_of(r) == "k_ext"}
+        else:  # members quantized one by one (given bases): their operands stacked
+            we = torch.cat([self._exact(q.base) for q in self.qw[self.ratios[0]]])
+            ext = {r: torch.cat([self._exact(q.ext) for q in self.qw[r]]) for r in comp if mode_of(r) == "k_ext"}
+        K = we.shape[1]
+        if split:
+            b0 = we
+        else:
+            ws = [lin.weight.detach() for lin in self.linears]
+            w = (ws[0] if len(ws) == 1 else torch.cat(ws)).float() / self._c()
             hi = w.to(torch.bfloat16)
             lo = (w - hi.float()).to(torch.bfloat16)
-            need_lo = need_lo or bool(lo.any())
-            built.append((w_exact, hi, lo, res))
-        if split:
-            return built
+            b0 = torch.cat([we, -hi] + ([-lo] if bool(lo.any()) else []), dim=1)
+            del w, hi, lo
+        # Full compensation multiplies Ŵ' itself: a view into b0, not a second copy.
+        res = {r: b0[:, :K] if mode_of(r) == "full" else ext[r] for r in comp}
+        self.__dict__.setdefault("_fast_group", {})[split] = (b0, res)
         cache = []
-        for we, hi, lo, res in built:
-            b0 = torch.cat([we, -hi] + ([-lo] if need_lo else []), dim=1)
-            # Full compensation multiplies Ŵ' itself: a view into b0, not a second copy.
-            cache.append((b0, {r: b0[:, : we.shape[1]] if w is we else w for r, w in res.items()}))
+        for k, lin in enumerate(self.linears):
+            a, b = self.rows[k], self.rows[k + 1]
+            mine = {r: t[a:b] for r, t in res.items()}
+            cache.append(((b0[a:b], lin.weight.detach()) if split else b0[a:b], mine))
         return cache
 
     def _c(self) -> torch.Tensor:
@@ -279,22 +329,26 @@ class Candidates:
             alpha = None if self.input_alpha is None else self.input_alpha.to(x.device)
             dev[x.device] = (alpha, {r: m.to(x.device) for r, m in self.masks.items()})
         alpha, masks = dev[x.device]
-        xq, extra = None, {}
+        xhat, extra = None, {}
         for r, mode, width in zip(comp, modes, widths):
             if mode == "full":
                 base, rq = kernel.quantize_full(x, self.fmt, alpha=alpha, rounding=self.rounding, backend="cuda")
+                if xhat is None:
+                    xhat = self._exact(base)
+                extra[r] = self._exact(rq)
+                continue
+            q = kernel.quantize_extend(
+                x, masks[r], r, self.fmt, alpha=alpha, rounding=self.rounding, backend="cuda", check_mask=False
+            )
+            assert q.shape[-1] == K + width
+            if xhat is None:  # [X̂' | R̂'] in one pass; both operands are column views of it
+                both = self._exact(q)
+                xhat, extra[r] = both[:, :K], both[:, K:]
             else:
-                q = kernel.quantize_extend(
-                    x, masks[r], r, self.fmt, alpha=alpha, rounding=self.rounding, backend="cuda", check_mask=False
-                )
-                base = FP4Tensor(q.fmt, q.codes[:, : K // 2], q.scales[:, : K // b], q.global_scale)
-                rq = FP4Tensor(q.fmt, q.codes[:, K // 2 :], q.scales[:, K // b :], q.global_scale)
-                assert rq.shape[-1] == width
-            xq = base if xq is None else xq
-            extra[r] = self._exact(rq)
-        if xq is None:
-            xq = quantize(x, self.fmt, alpha=alpha, rounding=self.rounding, backend="reference")
-        return self._exact(xq), extra
+                extra[r] = self._exact(FP4Tensor(q.fmt, q.codes[:, K // 2 :], q.scales[:, K // b :], q.global_scale))
+        if xhat is None:
+            xhat = self._exact(quantize(x, self.fmt, alpha=alpha, rounding=self.rounding, backend="reference"))
+        return xhat, extra
 
     def _exact(self, q: FP4Tensor) -> torch.Tensor:
         """`emulate.exact_operand(q)`, through one Triton kernel where it runs (`fused.exact_bf16`,
@@ -305,23 +359,45 @@ class Candidates:
         """[Σ (∂L/∂Y ⊙ (Y_q(ρ) − Y))² for ρ in `ratios`] of member i, float64 on grad's device, for a
         `prepare_fast` and ∂L/∂Y ``[M, N]``. No host sync: the caller accumulates these on the
         device and reads them once (a sync per linear in the backward pass stalls the GPU)."""
+        return self.group_sums_fast(prepared, [i], [grad])
+
+    def group_sums_fast(self, prepared, members: list[int], grads: list[torch.Tensor]) -> torch.Tensor:
+        """`member_sums_fast` summed over `members` (their gradients ``[M, N_i]`` in order). With every member, each candidate product is one GEMM over
+        the group's stacked weights (`_fast_group`), whose column blocks the reductions read in
+        place; else over each member's rows."""
         base, extra = prepared
         comp = self._fast_spec()[0]
         split = isinstance(base, tuple)
-        b0, wres = self._fast_weights(i, split)
-        es = [(extra[r] @ wres[r].T).reshape(-1) for r in comp]
-        c, c2 = self._c_on(grad.device)
-        if split:
-            p = mm_f32(base[0], b0[0])
-            y = mm_f32(base[1], b0[1])
-            sums = grad_sq_sums_split(grad.reshape(-1), p.reshape(-1), y.reshape(-1), c, *es).double()
+        self._fast_weights(members[0], split)  # built once per layout
+        cache = self._fast_cache[split]
+        if list(members) == list(range(len(self.linears))):
+            b0, wres = self._fast_group[split]
+            cols = [(self.rows[k], self.rows[k + 1]) for k in members]
         else:
-            d0 = base @ b0.T
-            sums = grad_sq_sums(grad.reshape(-1), d0.reshape(-1), *es).double() * c2
-        # sums: [plain, then the compensated ratios in order]; `ratios` is sorted, so it is the
+            b0 = wres = None
+        c, c2 = self._c_on(grads[0].device)
+        total = None
+        if b0 is not None:
+            es = [extra[r] @ wres[r].T for r in comp]
+            p = mm_f32(base[0], b0) if split else base @ b0.T
+        for j, (k, g) in enumerate(zip(members, grads)):
+            if b0 is not None:
+                a, b = cols[j]
+                es_k, p_k = [e[:, a:b] for e in es], p[:, a:b]
+            else:
+                b0_k, wres_k = cache[k]
+                es_k = [extra[r] @ wres_k[r].T for r in comp]
+                p_k = mm_f32(base[0], b0_k[0]) if split else base @ b0_k.T
+            if split:
+                y = mm_f32(base[1], self.linears[k].weight.detach())
+                s = grad_sq_sums_split(g, p_k, y, c, *es_k).double()
+            else:
+                s = grad_sq_sums(g, p_k, *es_k).double() * c2
+            total = s if total is None else total + s
+        # total: [plain, then the compensated ratios in order]; `ratios` is sorted, so it is the
         # whole vector when it holds ratio 0 and the tail otherwise.
         first = 0 if mode_of(self.ratios[0]) == "plain" else 1
-        return sums[first : first + len(self.ratios)]
+        return total[first : first + len(self.ratios)]
 
     def member_scores_fast(self, prepared, i: int, grad: torch.Tensor) -> dict[float, float]:
         """{ρ: Σ (∂L/∂Y ⊙ (Y_q(ρ) − Y))²} of member i (`member_sums_fast` read back)."""

@@ -57,7 +57,7 @@ def available(device: torch.device) -> bool:
 
 def _build(triton, tl):
     @triton.jit
-    def sq_sums_kernel(g_ptr, a_ptr, b_ptr, c_ptr, e0_ptr, e1_ptr, e2_ptr, e3_ptr, out_ptr, n,
+    def sq_sums_kernel(g_ptr, a_ptr, b_ptr, c_ptr, e0_ptr, e1_ptr, e2_ptr, e3_ptr, out_ptr, n, cols, ld_g, ld_a, ld_b, ld_e,
                        SPLIT: tl.constexpr, NE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
         pid = tl.program_id(0)
         start = pid.to(tl.int64) * (BLOCK * ITERS)
@@ -71,28 +71,32 @@ def _build(triton, tl):
         for it in range(ITERS):
             idx = start + it * BLOCK + lanes
             m = idx < n
-            g = tl.load(g_ptr + idx, mask=m, other=0.0).to(tl.float32)
+            # Element idx of the row-major [n / cols, cols] view; each input has its row stride.
+            row = idx // cols
+            col = idx - row * cols
+            g = tl.load(g_ptr + (row * ld_g + col), mask=m, other=0.0).to(tl.float32)
             if SPLIT:
-                p = tl.load(a_ptr + idx, mask=m, other=0.0).to(tl.float32)
-                y = tl.load(b_ptr + idx, mask=m, other=0.0).to(tl.float32)
+                p = tl.load(a_ptr + (row * ld_a + col), mask=m, other=0.0).to(tl.float32)
+                y = tl.load(b_ptr + (row * ld_b + col), mask=m, other=0.0).to(tl.float32)
                 gd = g * (c * p - y)
             else:
-                gd = g * tl.load(a_ptr + idx, mask=m, other=0.0).to(tl.float32)
+                gd = g * tl.load(a_ptr + (row * ld_a + col), mask=m, other=0.0).to(tl.float32)
             acc0 += gd * gd
+            eo = row * ld_e + col
             if NE > 0:
-                e = tl.load(e0_ptr + idx, mask=m, other=0.0).to(tl.float32)
+                e = tl.load(e0_ptr + eo, mask=m, other=0.0).to(tl.float32)
                 t = gd + g * (c * e)
                 acc1 += t * t
             if NE > 1:
-                e = tl.load(e1_ptr + idx, mask=m, other=0.0).to(tl.float32)
+                e = tl.load(e1_ptr + eo, mask=m, other=0.0).to(tl.float32)
                 t = gd + g * (c * e)
                 acc2 += t * t
             if NE > 2:
-                e = tl.load(e2_ptr + idx, mask=m, other=0.0).to(tl.float32)
+                e = tl.load(e2_ptr + eo, mask=m, other=0.0).to(tl.float32)
                 t = gd + g * (c * e)
                 acc3 += t * t
             if NE > 3:
-                e = tl.load(e3_ptr + idx, mask=m, other=0.0).to(tl.float32)
+                e = tl.load(e3_ptr + eo, mask=m, other=0.0).to(tl.float32)
                 t = gd + g * (c * e)
                 acc4 += t * t
         row = out_ptr + pid * (NE + 1)
@@ -125,28 +129,47 @@ def _build(triton, tl):
 _MAX_ES = 4
 
 
+def _rows(t: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, int]:
+    """`t` as ``shape`` with unit column stride (a view where it already is one) and its row stride."""
+    t = t.reshape(shape) if t.dim() != 2 else t
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t, t.stride(0)
+
+
 def sq_sums(g: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, c: torch.Tensor, *es: torch.Tensor) -> torch.Tensor:
-    """FP32 ``[1 + len(es)]``: the split layout's ``[Σ (g(c·a − b))², Σ (g(c·a − b + c·e))² …]`` (b
+    """float64 ``[1 + len(es)]``: the split layout's ``[Σ (g(c·a − b))², Σ (g(c·a − b + c·e))² …]`` (b
     given: a = P, b = Y) or the fused one's ``[Σ (g·a)², Σ (g(a + e))² …]`` (b None: a = D_0), as
     `bf16._sq_sums_split_eager` / `bf16._sq_sums_eager` compute them (same FP32 products, summed in
-    another order: the scores within 2e-4 relative; 9.1e-5 measured on an H200, bench/results/plan.md). Flat inputs of one length; at most four e."""
+    another order: the scores within 2e-4 relative; 9.1e-5 measured on an H200, bench/results/plan.md).
+    Inputs of one shape, flat or 2-D; 2-D ones may be column blocks of wider tensors (row-strided
+    views, read in place: a member's columns of a group's stacked products). At most four e."""
     if len(es) > _MAX_ES:
         raise ValueError(f"at most {_MAX_ES} residue products per reduction, got {len(es)}")
     _, _, (kernel, _) = _triton()
     split = b is not None
-    g, a = g.reshape(-1).contiguous(), a.reshape(-1).contiguous()
-    b = b.reshape(-1).contiguous() if split else a
-    es = [e.reshape(-1).contiguous() for e in es]
-    n = g.numel()
-    if any(t.numel() != n for t in [a, b] + es):
+    shape = tuple(g.shape) if g.dim() == 2 else (1, g.numel())
+    if any(t.numel() != g.numel() for t in [a] + ([b] if split else []) + list(es)):
         raise ValueError("the reduction's inputs differ in length")
+    g, ld_g = _rows(g, shape)
+    a, ld_a = _rows(a, shape)
+    b, ld_b = _rows(b, shape) if split else (a, ld_a)
+    es = [_rows(e, shape) for e in es]
+    if len({ld for _, ld in es}) > 1:  # one row stride for every e
+        es = [(e.contiguous(), shape[1]) for e, _ in es]
+    ld_e = es[0][1] if es else 0
+    es = [e for e, _ in es]
+    n = g.numel()
     # The fused layout's E needs no scaling: c = 1 there (an exact product).
     c = c.to(device=g.device, dtype=torch.float32).reshape(1) if split else torch.ones(1, device=g.device)
     programs = max(1, -(-n // (_BLOCK * _ITERS)))
     part = torch.empty((programs, 1 + len(es)), dtype=torch.float32, device=g.device)
     pad = es + [g] * (_MAX_ES - len(es))
-    kernel[(programs,)](g, a, b, c, *pad, part, n, SPLIT=split, NE=len(es), BLOCK=_BLOCK, ITERS=_ITERS, num_warps=8)
-    return part.sum(dim=0, dtype=torch.float64).float()
+    kernel[(programs,)](
+        g, a, b, c, *pad, part, n, shape[1], ld_g, ld_a, ld_b, ld_e,
+        SPLIT=split, NE=len(es), BLOCK=_BLOCK, ITERS=_ITERS, num_warps=8,
+    )
+    return part.sum(dim=0, dtype=torch.float64)
 
 
 _SCALE_LUTS: dict = {}

@@ -2,10 +2,11 @@
 (Fisher-diagonal, as in BRECQ), L the summed next-token cross-entropy, reported per valid token.
 
 One forward + backward per batch; backward hooks on each quantized linear's output receive
-∂L/∂Y and score every candidate ratio of the group right there from the captured input (all
-candidates from one pass). Weight gradients are never computed. The candidate products run in
+∂L/∂Y, and once every member of a group has its gradient the group's candidate ratios are
+scored from the captured input (all candidates from one pass, one product per ratio over the
+group's stacked members). Weight gradients are never computed. The candidate products run in
 FP32 (the emulated linear's own arithmetic, `Candidates.member_outputs`) or as bf16 GEMMs on the
-same FP4 operands (`Candidates.prepare_fast` / `member_sums_fast`, see `bf16`), as
+same FP4 operands (`Candidates.prepare_fast` / `group_sums_fast`, see `bf16`), as
 `precision.resolve_precision` chose. Padded targets are ignored by the loss, so their ∂L/∂Y is
 zero.
 """
@@ -17,56 +18,92 @@ import torch
 from resserve_export.algorithms.scores.batches import valid_tokens
 
 
-def score_hooks(model, groups, cands, ratios, fast: bool, add) -> list:
-    """Forward hooks on every member of `groups` that, on the output's gradient, add each
-    candidate ratio's Σ(∂L/∂Y ⊙ (Y_q − Y))² to ``add(group modules, float64 [ratios])``.
-    Returns the hook handles (remove them after the backward pass)."""
-    hooks = []
+class _GroupScorer:
+    """One decision group's scores in one batch: each member's input from its forward pass and
+    ∂L/∂Y from the backward pass, paired by forward call. When every member of a call has its
+    gradient, the group is scored at once: the input prepared once and, in the bf16 path, one
+    product per ratio over the members' stacked weights (`Candidates.group_sums_fast`). `flush`
+    scores what is left after the backward pass (members whose output got no gradient are
+    skipped)."""
+
+    def __init__(self, key, cands, ratios, fast: bool, add):
+        self.key, self.cands, self.ratios, self.fast, self.add = key, cands, ratios, fast, add
+        self.calls = [0] * len(key)
+        self.slots: list[dict] = []
+
+    def forward(self, i: int, x: torch.Tensor, out: torch.Tensor) -> None:
+        k = self.calls[i]
+        self.calls[i] += 1
+        if k == len(self.slots):
+            self.slots.append({"x": {}, "at": {}, "y": {}, "g": {}, "open": 0})
+        slot = self.slots[k]
+        slot["x"][i] = x
+        slot["at"][i] = (x.data_ptr(), tuple(x.shape), x.stride())
+        slot["y"][i] = None if self.fast else out.detach()  # the fp32 path's reference output
+        slot["open"] += 1
+
+        def on_grad(grad, slot=slot, i=i):
+            slot["g"][i] = grad
+            slot["open"] -= 1
+            if slot["open"] == 0:
+                self._score(slot)
+
+        out.register_hook(on_grad)
+
+    def flush(self) -> None:
+        for slot in self.slots:
+            if slot["g"]:
+                self._score(slot)
+        self.slots, self.calls = [], [0] * len(self.key)
+
+    def _score(self, slot: dict) -> None:
+        members = sorted(slot["g"])
+        xs, ys, gs, at = slot["x"], slot["y"], slot["g"], slot["at"]
+        slot["x"], slot["y"], slot["g"], slot["at"] = {}, {}, {}, {}
+        cand = self.cands[self.key]
+        if list(cand.ratios) != list(self.ratios):
+            raise ValueError(f"candidates of {self.key} are for ratios {cand.ratios}, not {list(self.ratios)}")
+        # Fused members read one input (the same memory); a member fed another is scored on its own.
+        first = at[members[0]]
+        same = [i for i in members if at[i] == first]
+        parts = [same] + [[i] for i in members if at[i] != first]
+        for part in parts:
+            x2 = xs[part[0]].reshape(-1, xs[part[0]].shape[-1])
+            g2 = [gs[i].reshape(-1, gs[i].shape[-1]) for i in part]
+            if self.fast:
+                self.add(self.key, cand.group_sums_fast(cand.prepare_fast(x2), part, g2))
+            else:
+                prepared = cand.prepare(x2)
+                sq = None
+                for i, g in zip(part, g2):
+                    y2 = ys[i].reshape(g.shape).float()
+                    gf = g.float()
+                    terms = []
+                    for _, yq in cand.member_outputs(prepared, i):
+                        d = (yq - y2) * gf
+                        terms.append(torch.sum(d * d))
+                    m = torch.stack(terms).double()
+                    sq = m if sq is None else sq + m
+                self.add(self.key, sq)
+
+
+def score_hooks(model, groups, cands, ratios, fast: bool, add) -> tuple[list, list]:
+    """Hooks on every member of `groups` that, on the outputs' gradients, add each candidate
+    ratio's Σ(∂L/∂Y ⊙ (Y_q − Y))² to ``add(group modules, float64 [ratios])``. Returns (handles
+    to remove after the backward pass, the groups' scorers to `flush` after it)."""
+    hooks, scorers = [], []
     for g in groups:
-        # Fused members read the same input: prepare it once, at the first member's gradient.
-        # The group's candidates are looked up there too and released after its last
-        # member (a memory-bounded pool may have built them for this batch only).
-        shared = {"prepared": None, "left": 0, "cand": None}
+        scorer = _GroupScorer(g.modules, cands, ratios, fast, add)
+        scorers.append(scorer)
         for i, m in enumerate(g.modules):
             lin = model.get_submodule(m)
 
-            def fwd(mod, args, out, i=i, key=g.modules, shared=shared):
-                if not out.requires_grad:
-                    return
-                x = args[0].detach()
-                y = None if fast else out.detach()
-                shared["left"] += 1
-
-                def on_grad(grad):
-                    x2 = x.reshape(-1, x.shape[-1])
-                    if shared["cand"] is None:
-                        shared["cand"] = cands[key]
-                        if list(shared["cand"].ratios) != list(ratios):
-                            raise ValueError(f"candidates of {key} are for ratios {shared['cand'].ratios}, not {list(ratios)}")
-                    cand = shared["cand"]
-                    if fast:
-                        if shared["prepared"] is None:
-                            shared["prepared"] = cand.prepare_fast(x2)
-                        g2 = grad.reshape(-1, grad.shape[-1])
-                        add(key, cand.member_sums_fast(shared["prepared"], i, g2))
-                    else:
-                        if shared["prepared"] is None:
-                            shared["prepared"] = cand.prepare(x2)
-                        y2 = y.reshape(-1, y.shape[-1]).float()
-                        g2 = grad.reshape(-1, grad.shape[-1]).float()
-                        sq = []
-                        for _, yq in cand.member_outputs(shared["prepared"], i):
-                            d = (yq - y2) * g2
-                            sq.append(torch.sum(d * d))
-                        add(key, torch.stack(sq).double())
-                    shared["left"] -= 1
-                    if shared["left"] == 0:
-                        shared["prepared"] = shared["cand"] = None
-
-                out.register_hook(on_grad)
+            def fwd(mod, args, out, i=i, scorer=scorer):
+                if out.requires_grad:
+                    scorer.forward(i, args[0].detach(), out)
 
             hooks.append(lin.register_forward_hook(fwd))
-    return hooks
+    return hooks, scorers
 
 
 class ScoreSums:
@@ -122,13 +159,15 @@ def grad_scores(model, batches, groups, cands, ratios, step, precision: str = "f
     try:
         for batch in batches:
             ids, mask = batch["input_ids"], batch.get("attention_mask")
-            hooks = score_hooks(model, groups, cands, ratios, fast, sums.add)
+            hooks, scorers = score_hooks(model, groups, cands, ratios, fast, sums.add)
             try:
                 emb = embed(ids).detach().requires_grad_(True)
                 logits = model(inputs_embeds=emb, attention_mask=mask, use_cache=False).logits
                 loss, n = next_token_loss(logits, ids, mask)
                 tokens += n
                 loss.backward()
+                for scorer in scorers:
+                    scorer.flush()
             finally:
                 for h in hooks:
                     h.remove()

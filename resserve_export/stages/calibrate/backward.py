@@ -123,13 +123,15 @@ def _layer_backward(shell: Shell, li: int, sb, inputs, kwargs, grads: list, grou
         p_.requires_grad_(False)
     mine = [g for g in groups if g.modules[0].startswith(f"{shell.prefix}.{li}.")]
     cands = {g.modules: Candidates(model, g, stats, spec.ratios, spec.fmt, ScaleRounding(spec.rounding), spec.base_weights) for g in mine}
-    hooks = score_hooks(model, mine, cands, spec.ratios, fast, sums.add)
+    hooks, scorers = score_hooks(model, mine, cands, spec.ratios, fast, sums.add)
     try:
         for bi in range(len(sb)):
             x = inputs.get(bi).detach().requires_grad_(True)
             out = layer(x, **kwargs[bi])
             out = out[0] if isinstance(out, tuple) else out
             out.backward(grads[bi])
+            for scorer in scorers:
+                scorer.flush()
             grads[bi] = x.grad.detach()
             if progress is not None:
                 progress(li, bi, len(sb))
