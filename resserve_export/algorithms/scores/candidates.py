@@ -362,37 +362,35 @@ class Candidates:
         return self.group_sums_fast(prepared, [i], [grad])
 
     def group_sums_fast(self, prepared, members: list[int], grads: list[torch.Tensor]) -> torch.Tensor:
-        """`member_sums_fast` summed over `members` (their gradients ``[M, N_i]`` in order). With every member, each candidate product is one GEMM over
-        the group's stacked weights (`_fast_group`), whose column blocks the reductions read in
-        place; else over each member's rows."""
+        """`member_sums_fast` summed over `members` (their gradients ``[M, N_i]`` in order). With
+        every member, each candidate product is one GEMM over the group's stacked weights
+        (`_fast_group`) and the reductions read each member's column block in place; with some,
+        the products run over each member's rows."""
         base, extra = prepared
         comp = self._fast_spec()[0]
         split = isinstance(base, tuple)
         self._fast_weights(members[0], split)  # built once per layout
-        cache = self._fast_cache[split]
-        if list(members) == list(range(len(self.linears))):
+        stacked = list(members) == list(range(len(self.linears)))
+        if stacked:
             b0, wres = self._fast_group[split]
-            cols = [(self.rows[k], self.rows[k + 1]) for k in members]
-        else:
-            b0 = wres = None
+            es = [extra[r] @ wres[r].T for r in comp]
+            # Split: P = X̂'Ŵ'ᵀ in FP32; fused: D_0 / c directly (see `bf16`).
+            first_product = mm_f32(base[0], b0) if split else base @ b0.T
         c, c2 = self._c_on(grads[0].device)
         total = None
-        if b0 is not None:
-            es = [extra[r] @ wres[r].T for r in comp]
-            p = mm_f32(base[0], b0) if split else base @ b0.T
-        for j, (k, g) in enumerate(zip(members, grads)):
-            if b0 is not None:
-                a, b = cols[j]
-                es_k, p_k = [e[:, a:b] for e in es], p[:, a:b]
+        for k, g in zip(members, grads):
+            if stacked:
+                a, b = self.rows[k], self.rows[k + 1]
+                es_k, prod_k = [e[:, a:b] for e in es], first_product[:, a:b]
             else:
-                b0_k, wres_k = cache[k]
+                b0_k, wres_k = self._fast_cache[split][k]
                 es_k = [extra[r] @ wres_k[r].T for r in comp]
-                p_k = mm_f32(base[0], b0_k[0]) if split else base @ b0_k.T
+                prod_k = mm_f32(base[0], b0_k[0]) if split else base @ b0_k.T
             if split:
                 y = mm_f32(base[1], self.linears[k].weight.detach())
-                s = grad_sq_sums_split(g, p_k, y, c, *es_k).double()
+                s = grad_sq_sums_split(g, prod_k, y, c, *es_k).double()
             else:
-                s = grad_sq_sums(g, p_k, *es_k).double() * c2
+                s = grad_sq_sums(g, prod_k, *es_k).double() * c2
             total = s if total is None else total + s
         # total: [plain, then the compensated ratios in order]; `ratios` is sorted, so it is the
         # whole vector when it holds ratio 0 and the tail otherwise.
