@@ -697,7 +697,7 @@ def test_group_products_over_stacked_members_equal_the_members(split):
     x = (torch.randn(40, 64) * 3).bfloat16()
     grads = [torch.randn(40, 32).bfloat16(), torch.randn(40, 48).bfloat16()]
     prepared = c.prepare_fast(x, backend="reference", split=split)
-    got = c.group_sums_fast(prepared, [0, 1], grads)
+    got = c.group_sums_fast(prepared, [0, 1], grads, stacked=True)
     want = c.member_sums_fast(prepared, 0, grads[0]) + c.member_sums_fast(prepared, 1, grads[1])
     assert torch.allclose(got, want, rtol=1e-6, atol=0), (got, want)
     for i, lin in enumerate((model.a, model.b)):

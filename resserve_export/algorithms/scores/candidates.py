@@ -361,16 +361,20 @@ class Candidates:
         device and reads them once (a sync per linear in the backward pass stalls the GPU)."""
         return self.group_sums_fast(prepared, [i], [grad])
 
-    def group_sums_fast(self, prepared, members: list[int], grads: list[torch.Tensor]) -> torch.Tensor:
-        """`member_sums_fast` summed over `members` (their gradients ``[M, N_i]`` in order). With
-        every member, each candidate product is one GEMM over the group's stacked weights
-        (`_fast_group`) and the reductions read each member's column block in place; with some,
-        the products run over each member's rows."""
+    def group_sums_fast(self, prepared, members: list[int], grads: list[torch.Tensor], stacked: bool | None = None) -> torch.Tensor:
+        """`member_sums_fast` summed over `members` (their gradients ``[M, N_i]`` in order).
+        `stacked` (with every member): each candidate product is one GEMM over the group's stacked
+        weights (`_fast_group`) and the reductions read each member's column block in place;
+        otherwise the products run over each member's rows. None: stacked where the Triton
+        reduction reads the blocks (`fused.available`); the compiled CPU reduction is slower on
+        strided blocks than the per-member products are."""
         base, extra = prepared
         comp = self._fast_spec()[0]
         split = isinstance(base, tuple)
         self._fast_weights(members[0], split)  # built once per layout
-        stacked = list(members) == list(range(len(self.linears)))
+        if stacked is None:
+            stacked = fused.available(grads[0].device)
+        stacked = stacked and list(members) == list(range(len(self.linears)))
         if stacked:
             b0, wres = self._fast_group[split]
             es = [extra[r] @ wres[r].T for r in comp]
