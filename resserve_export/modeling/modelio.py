@@ -156,11 +156,22 @@ def gpt_oss_bf16(model_dir: Path) -> Path:
         cfg.pop("quantization_config", None)
         cfg["dtype"] = "bfloat16"
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        os.replace(tmp, out)
+        _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move a finished conversion into place. Another process converting the same file at the
+    same time may have put its own there first: then that one is kept and this copy dropped."""
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if not (out / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def gguf_to_hf(gguf: Path) -> Path:
@@ -187,7 +198,7 @@ def gguf_to_hf(gguf: Path) -> Path:
         cfg.pop("quantization_config", None)
         cfg["_name_or_path"] = gguf.stem
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        os.replace(tmp, out)
+        _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
