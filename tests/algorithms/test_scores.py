@@ -731,3 +731,76 @@ def test_members_fed_other_inputs_are_scored_on_their_own():
     assert torch.allclose(sums.acc[group.modules], want, rtol=1e-6, atol=0)
     shared = c.member_sums_fast(c.prepare_fast(xa), 1, gb.reshape(-1, 48))
     assert not torch.allclose(shared, want - c.member_sums_fast(c.prepare_fast(xa), 0, ga.reshape(-1, 32)), rtol=1e-3)
+
+
+@pytest.mark.parametrize("precision,prebuilt", [("bf16", True), ("fp32", True), ("bf16", False)])
+def test_scoring_thread_gives_the_same_scores(tiny_bf16, precision, prebuilt, monkeypatch):
+    """The grad scores launched from their own thread (`scores.worker`, what GPUs run) are the
+    scores computed inside the hooks, bit for bit: the same operations per group, in order; also
+    with the candidates built on the thread on first use (no `candidates` given)."""
+    model, groups, batches, stats = tiny_bf16
+    cands = S.build_candidates(model, groups, stats, RATIOS) if prebuilt else None
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("RESSERVE_SCORE_THREAD", flag)
+        runs[flag] = S.compute_scores(model, batches, stats, groups, "grad", candidates=cands, show_progress=False, precision=precision)
+    assert [g["scores"] for g in runs["1"]["groups"]] == [g["scores"] for g in runs["0"]["groups"]]
+    assert all(v > 0 for g in runs["1"]["groups"] for v in g["scores"].values())
+
+
+def test_scoring_thread_raises_the_first_error_and_ends():
+    """A failing job's error reaches the caller (at `drain` or at the next `submit`), the jobs
+    after it are skipped, and `close` ends the thread; a path already failing keeps its own
+    error (`close(raise_error=False)`)."""
+    from resserve_export.algorithms.scores.worker import ScoringThread
+
+    done = []
+    t = ScoringThread(torch.device("cpu"), depth=2)
+    t.submit(lambda: done.append(1))
+    t.submit(lambda: 1 / 0)
+    t.submit(lambda: done.append(3))
+    with pytest.raises(ZeroDivisionError):
+        t.drain()
+    assert done == [1]
+    t.submit(lambda: done.append(4))
+    t.close()
+    assert done == [1, 4] and not t._thread.is_alive()
+    t = ScoringThread(torch.device("cpu"))
+    t.submit(lambda: [][1])
+    t.close(raise_error=False)
+    assert not t._thread.is_alive()
+
+
+def test_grad_scores_error_on_the_thread_reaches_the_caller(tiny_bf16, monkeypatch):
+    """An error while scoring a group on the thread fails compute_scores with that error, and the
+    thread ends."""
+    import threading
+
+    model, groups, batches, stats = tiny_bf16
+    cands = S.build_candidates(model, groups, stats, RATIOS)
+    monkeypatch.setenv("RESSERVE_SCORE_THREAD", "1")
+
+    def broken(self, *a, **k):
+        raise RuntimeError("candidate products failed")
+
+    monkeypatch.setattr(C.Candidates, "prepare_fast", broken)
+    with pytest.raises(RuntimeError, match="candidate products failed"):
+        S.compute_scores(model, batches, stats, groups, "grad", candidates=cands, show_progress=False, precision="bf16")
+    assert not any(t.name == "resserve-scores" for t in threading.enumerate())
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_scoring_thread_gives_the_same_scores(tiny_bf16, monkeypatch):
+    """On a GPU the scores of the thread equal those computed inside the hooks bit for bit (same
+    kernels on the same stream, per group in the same order)."""
+    import copy
+
+    model, groups, batches, stats = tiny_bf16
+    model = copy.deepcopy(model).cuda()
+    cands = S.build_candidates(model, groups, stats, RATIOS)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("RESSERVE_SCORE_THREAD", flag)
+        runs[flag] = S.compute_scores(model, batches, stats, groups, "grad", candidates=cands, show_progress=False, precision="bf16")
+    assert [g["scores"] for g in runs["1"]["groups"]] == [g["scores"] for g in runs["0"]["groups"]]

@@ -26,6 +26,8 @@ One concept per module:
   each layout;
 - `device`: what the device's GEMMs can do (``/proc/cpuinfo`` bf16 features, FP32-output GEMMs);
 - `kl`, `grad`: the two methods (`kl` also has `evaluate_kl(s)`, a whole plan's KL);
+- `worker`: the grad scores' own host thread (`ScoringThread`, opt-in), which launches the
+  candidate products while the backward pass goes on;
 - `batches`: the scored sequences on the model's device and the mask of tokens that count;
 - `progress`: the terminal progress display;
 - this module: `compute_scores`, the entry point ``calibrate --scores`` calls, and the public names.
@@ -52,6 +54,7 @@ from resserve_export.algorithms.scores.kl import kl_scores, evaluate_kl, evaluat
 from resserve_export.algorithms.scores.pool import CandidatePool, default_budget
 from resserve_export.algorithms.scores.precision import PRECISIONS, bytes_per_weight_of, resolve_precision
 from resserve_export.algorithms.scores.progress import scoring_progress
+from resserve_export.algorithms.scores.worker import wanted
 from resserve_export.core.names import ratio_key
 
 METHODS = ("kl", "grad")
@@ -131,7 +134,10 @@ def compute_scores(
                 bpw = bytes_per_weight_of(method, precision, device_of(model), dtype)
                 candidates = CandidatePool(model, groups, stats, ratios, fmt, rounding, budget, bpw, base_weights)
                 # The grad hooks visit the groups last layer first: keep those that fit from there.
-                candidates.prebuild([g.modules for g in (reversed(groups) if method == "grad" else groups)], wprog)
+                # With a scoring thread, each group is built there when it is first scored
+                # instead, in the same order, while the model's passes run (`worker`).
+                if not (method == "grad" and wanted(device_of(model))):
+                    candidates.prebuild([g.modules for g in (reversed(groups) if method == "grad" else groups)], wprog)
             if method == "kl":
                 sums = kl_scores(model, batches, groups, candidates, ratios, step)
             else:

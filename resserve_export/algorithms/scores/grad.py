@@ -4,7 +4,9 @@
 One forward + backward per batch; backward hooks on each quantized linear's output receive
 ∂L/∂Y, and once every member of a group has its gradient the group's candidate ratios are
 scored from the captured input (all candidates from one pass, one product per ratio over the
-group's stacked members). Weight gradients are never computed. The candidate products run in
+group's stacked members). Weight gradients are never computed. With ``RESSERVE_SCORE_THREAD=1``
+the hooks only hand each group over, and a thread of its own launches the candidate products
+(`worker`), so the backward keeps launching meanwhile. The candidate products run in
 FP32 (the emulated linear's own arithmetic, `Candidates.member_outputs`) or as bf16 GEMMs on the
 same FP4 operands (`Candidates.prepare_fast` / `group_sums_fast`, see `bf16`), as
 `precision.resolve_precision` chose. Padded targets are ignored by the loss, so their ∂L/∂Y is
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from resserve_export.algorithms.scores import worker as W
 from resserve_export.algorithms.scores.batches import valid_tokens
 
 
@@ -24,10 +27,12 @@ class _GroupScorer:
     gradient, the group is scored at once: the input prepared once and, in the bf16 path, one
     product per ratio over the members' stacked weights (`Candidates.group_sums_fast`). `flush`
     scores what is left after the backward pass (members whose output got no gradient are
-    skipped)."""
+    skipped). `run`: how a group's scoring job is run (called at once by default; a
+    `worker.ScoringThread`'s ``submit`` runs it on that thread, in order)."""
 
-    def __init__(self, key, cands, ratios, fast: bool, add):
+    def __init__(self, key, cands, ratios, fast: bool, add, run=None):
         self.key, self.cands, self.ratios, self.fast, self.add = key, cands, ratios, fast, add
+        self.run = run if run is not None else (lambda job: job())
         self.calls = [0] * len(key)
         self.slots: list[dict] = []
 
@@ -60,13 +65,18 @@ class _GroupScorer:
         members = sorted(slot["g"])
         xs, ys, gs, at = slot["x"], slot["y"], slot["g"], slot["at"]
         slot["x"], slot["y"], slot["g"], slot["at"] = {}, {}, {}, {}
-        cand = self.cands[self.key]
-        if list(cand.ratios) != list(self.ratios):
-            raise ValueError(f"candidates of {self.key} are for ratios {cand.ratios}, not {list(self.ratios)}")
         # Fused members read one input (the same memory); a member fed another is scored on its own.
         first = at[members[0]]
         same = [i for i in members if at[i] == first]
         parts = [same] + [[i] for i in members if at[i] != first]
+        self.run(lambda: self._score_parts(parts, xs, ys, gs))
+
+    def _score_parts(self, parts, xs, ys, gs) -> None:
+        # Asked for here, where the products run: a pool builds a group's candidates on first use,
+        # on the scoring thread when there is one.
+        cand = self.cands[self.key]
+        if list(cand.ratios) != list(self.ratios):
+            raise ValueError(f"candidates of {self.key} are for ratios {cand.ratios}, not {list(self.ratios)}")
         for part in parts:
             x2 = xs[part[0]].reshape(-1, xs[part[0]].shape[-1])
             g2 = [gs[i].reshape(-1, gs[i].shape[-1]) for i in part]
@@ -87,13 +97,14 @@ class _GroupScorer:
                 self.add(self.key, sq)
 
 
-def score_hooks(model, groups, cands, ratios, fast: bool, add) -> tuple[list, list]:
+def score_hooks(model, groups, cands, ratios, fast: bool, add, run=None) -> tuple[list, list]:
     """Hooks on every member of `groups` that, on the outputs' gradients, add each candidate
     ratio's Σ(∂L/∂Y ⊙ (Y_q − Y))² to ``add(group modules, float64 [ratios])``. Returns (handles
-    to remove after the backward pass, the groups' scorers to `flush` after it)."""
+    to remove after the backward pass, the groups' scorers to `flush` after it). `run`: a
+    `worker.ScoringThread`'s ``submit`` to score on that thread (drain it after the flushes)."""
     hooks, scorers = [], []
     for g in groups:
-        scorer = _GroupScorer(g.modules, cands, ratios, fast, add)
+        scorer = _GroupScorer(g.modules, cands, ratios, fast, add, run)
         scorers.append(scorer)
         for i, m in enumerate(g.modules):
             lin = model.get_submodule(m)
@@ -146,9 +157,12 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor 
     return torch.sum(nll[target_ok]), int(target_ok.sum())
 
 
-def grad_scores(model, batches, groups, cands, ratios, step, precision: str = "fp32", log: dict | None = None) -> dict:
+def grad_scores(
+    model, batches, groups, cands, ratios, step, precision: str = "fp32", log: dict | None = None, thread: bool | None = None,
+) -> dict:
     """Per group ``{ratio: score}``. `log`: also record every addition and the token count
-    (``log["tokens"]``), for a data-parallel rank (`distributed`)."""
+    (``log["tokens"]``), for a data-parallel rank (`distributed`). `thread`: score on a
+    `worker.ScoringThread` (None: where `worker.wanted`)."""
     fast = precision == "bf16"
     sums = ScoreSums(log)
     tokens = 0
@@ -156,10 +170,12 @@ def grad_scores(model, batches, groups, cands, ratios, step, precision: str = "f
     for p, _ in params:
         p.requires_grad_(False)
     embed = model.get_input_embeddings()
+    dev = embed.weight.device
+    pool = W.ScoringThread(dev) if (W.wanted(dev) if thread is None else thread) else None
     try:
         for batch in batches:
             ids, mask = batch["input_ids"], batch.get("attention_mask")
-            hooks, scorers = score_hooks(model, groups, cands, ratios, fast, sums.add)
+            hooks, scorers = score_hooks(model, groups, cands, ratios, fast, sums.add, None if pool is None else pool.submit)
             try:
                 emb = embed(ids).detach().requires_grad_(True)
                 logits = model(inputs_embeds=emb, attention_mask=mask, use_cache=False).logits
@@ -173,7 +189,12 @@ def grad_scores(model, batches, groups, cands, ratios, step, precision: str = "f
                     h.remove()
             del logits, loss, emb
             step(len(groups) * len(ratios))
+        if pool is not None:
+            pool, thread_ = None, pool
+            thread_.close()  # waits for the last groups; raises a scoring error
     finally:
+        if pool is not None:  # failing already: end the thread, keep this error
+            pool.close(raise_error=False)
         for p, flag in params:
             p.requires_grad_(flag)
     if log is not None:
