@@ -804,3 +804,22 @@ def test_gpu_scoring_thread_gives_the_same_scores(tiny_bf16, monkeypatch):
         monkeypatch.setenv("RESSERVE_SCORE_THREAD", flag)
         runs[flag] = S.compute_scores(model, batches, stats, groups, "grad", candidates=cands, show_progress=False, precision="bf16")
     assert [g["scores"] for g in runs["1"]["groups"]] == [g["scores"] for g in runs["0"]["groups"]]
+
+
+def test_scoring_thread_whose_set_up_fails_raises_instead_of_hanging(monkeypatch):
+    """A thread that cannot take the caller's settings (say, its CUDA device) skips the jobs and
+    reports that error: neither a full queue nor `drain` waits forever."""
+    from resserve_export.algorithms.scores import worker as W
+
+    def refuse(n):
+        raise RuntimeError("no such device")
+
+    monkeypatch.setattr(W.torch, "set_num_threads", refuse)
+    t = W.ScoringThread(torch.device("cpu"), depth=1)
+    ran = []
+    with pytest.raises(RuntimeError, match="no such device"):
+        for i in range(4):
+            t.submit(lambda i=i: ran.append(i))
+        t.drain()
+    t.close(raise_error=False)
+    assert ran == [] and not t._thread.is_alive()

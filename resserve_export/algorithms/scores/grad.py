@@ -171,11 +171,11 @@ def grad_scores(
         p.requires_grad_(False)
     embed = model.get_input_embeddings()
     dev = embed.weight.device
-    pool = W.ScoringThread(dev) if (W.wanted(dev) if thread is None else thread) else None
+    worker = W.ScoringThread(dev) if (W.wanted(dev) if thread is None else thread) else None
     try:
         for batch in batches:
             ids, mask = batch["input_ids"], batch.get("attention_mask")
-            hooks, scorers = score_hooks(model, groups, cands, ratios, fast, sums.add, None if pool is None else pool.submit)
+            hooks, scorers = score_hooks(model, groups, cands, ratios, fast, sums.add, None if worker is None else worker.submit)
             try:
                 emb = embed(ids).detach().requires_grad_(True)
                 logits = model(inputs_embeds=emb, attention_mask=mask, use_cache=False).logits
@@ -189,12 +189,12 @@ def grad_scores(
                     h.remove()
             del logits, loss, emb
             step(len(groups) * len(ratios))
-        if pool is not None:
-            pool, thread_ = None, pool
-            thread_.close()  # waits for the last groups; raises a scoring error
+        if worker is not None:
+            worker, ending = None, worker
+            ending.close()  # waits for the last groups; raises a scoring error
     finally:
-        if pool is not None:  # failing already: end the thread, keep this error
-            pool.close(raise_error=False)
+        if worker is not None:  # failing already: end the thread, keep this error
+            worker.close(raise_error=False)
         for p, flag in params:
             p.requires_grad_(flag)
     if log is not None:

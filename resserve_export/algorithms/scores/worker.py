@@ -50,11 +50,16 @@ class ScoringThread:
     def _loop(self) -> None:
         # What a gradient hook runs under, set for this thread: no autograd recording (the backward
         # pass turns it off), the caller's CPU threads and CUDA device and stream.
-        torch.set_grad_enabled(False)
-        torch.set_num_threads(self.threads)
-        if self.stream is not None:
-            torch.cuda.set_device(self.device)
-            torch.cuda.set_stream(self.stream)
+        # A set-up that fails is the first error: the jobs are then taken and skipped, so that a
+        # caller blocked on a full queue or in `drain` gets it instead of waiting forever.
+        try:
+            torch.set_grad_enabled(False)
+            torch.set_num_threads(self.threads)
+            if self.stream is not None:
+                torch.cuda.set_device(self.device)
+                torch.cuda.set_stream(self.stream)
+        except BaseException as e:
+            self._error = e
         while True:
             job = self._jobs.get()
             try:
