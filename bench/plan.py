@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -271,21 +272,14 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
     from resserve_export.algorithms.scores.worker import wanted
 
     def with_thread(flag: str, fn):
-        before = os.environ.get("RESSERVE_SCORE_THREAD")
-        os.environ["RESSERVE_SCORE_THREAD"] = flag
-        try:
+        with mock.patch.dict(os.environ, {"RESSERVE_SCORE_THREAD": flag}):
             return timed(fn)
-        finally:
-            if before is None:
-                del os.environ["RESSERVE_SCORE_THREAD"]
-            else:
-                os.environ["RESSERVE_SCORE_THREAD"] = before
 
     scratch = lambda: S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision="bf16")  # noqa: E731
     for flag, tag in (("0", "hooks"), ("1", "thread")):
         grad[tag], runs[tag] = with_thread(flag, scored("bf16"))
         grad[f"scratch-{tag}"], runs[f"scratch-{tag}"] = with_thread(flag, scratch)
-    default = "thread" if wanted(torch.device(dev)) else "hooks"
+    default = "thread" if wanted() else "hooks"
 
     def moved(a, b):
         """Largest relative difference between two scores.json records, over (group, ratio)."""

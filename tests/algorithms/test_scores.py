@@ -735,7 +735,7 @@ def test_members_fed_other_inputs_are_scored_on_their_own():
 
 @pytest.mark.parametrize("precision,prebuilt", [("bf16", True), ("fp32", True), ("bf16", False)])
 def test_scoring_thread_gives_the_same_scores(tiny_bf16, precision, prebuilt, monkeypatch):
-    """The grad scores launched from their own thread (`scores.worker`, what GPUs run) are the
+    """The grad scores launched from their own thread (`scores.worker`, opt-in) are the
     scores computed inside the hooks, bit for bit: the same operations per group, in order; also
     with the candidates built on the thread on first use (no `candidates` given)."""
     model, groups, batches, stats = tiny_bf16

@@ -136,7 +136,7 @@ def compute_scores(
                 # The grad hooks visit the groups last layer first: keep those that fit from there.
                 # With a scoring thread, each group is built there when it is first scored
                 # instead, in the same order, while the model's passes run (`worker`).
-                if not (method == "grad" and wanted(device_of(model))):
+                if not (method == "grad" and wanted()):
                     candidates.prebuild([g.modules for g in (reversed(groups) if method == "grad" else groups)], wprog)
             if method == "kl":
                 sums = kl_scores(model, batches, groups, candidates, ratios, step)

@@ -157,12 +157,10 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor 
     return torch.sum(nll[target_ok]), int(target_ok.sum())
 
 
-def grad_scores(
-    model, batches, groups, cands, ratios, step, precision: str = "fp32", log: dict | None = None, thread: bool | None = None,
-) -> dict:
+def grad_scores(model, batches, groups, cands, ratios, step, precision: str = "fp32", log: dict | None = None) -> dict:
     """Per group ``{ratio: score}``. `log`: also record every addition and the token count
-    (``log["tokens"]``), for a data-parallel rank (`distributed`). `thread`: score on a
-    `worker.ScoringThread` (None: where `worker.wanted`)."""
+    (``log["tokens"]``), for a data-parallel rank (`distributed`). Scored on a
+    `worker.ScoringThread` where `worker.wanted`."""
     fast = precision == "bf16"
     sums = ScoreSums(log)
     tokens = 0
@@ -170,8 +168,7 @@ def grad_scores(
     for p, _ in params:
         p.requires_grad_(False)
     embed = model.get_input_embeddings()
-    dev = embed.weight.device
-    worker = W.ScoringThread(dev) if (W.wanted(dev) if thread is None else thread) else None
+    worker = W.ScoringThread(embed.weight.device) if W.wanted() else None
     try:
         for batch in batches:
             ids, mask = batch["input_ids"], batch.get("attention_mask")
@@ -190,11 +187,12 @@ def grad_scores(
             del logits, loss, emb
             step(len(groups) * len(ratios))
         if worker is not None:
-            worker, ending = None, worker
-            ending.close()  # waits for the last groups; raises a scoring error
-    finally:
-        if worker is not None:  # failing already: end the thread, keep this error
+            worker.close()  # waits for the last groups; raises a scoring error
+    except BaseException:
+        if worker is not None:  # end the thread (a no-op if it ended above), keep this error
             worker.close(raise_error=False)
+        raise
+    finally:
         for p, flag in params:
             p.requires_grad_(flag)
     if log is not None:

@@ -94,8 +94,7 @@ class ScoringThread:
             raise err
 
 
-def wanted(device: torch.device) -> bool:
+def wanted() -> bool:
     """Whether the grad scores take a `ScoringThread`: ``RESSERVE_SCORE_THREAD=1`` (on any device;
     off by default, see the module docstring)."""
     return os.environ.get("RESSERVE_SCORE_THREAD", "") == "1"
-
