@@ -1,6 +1,8 @@
 """The grad scores' host thread: the groups' candidate products launched from a thread of their
 own, so that the model's backward pass keeps launching its kernels meanwhile. Opt-in
-(``RESSERVE_SCORE_THREAD=1``) until it has been measured on a GPU.
+(``RESSERVE_SCORE_THREAD=1``): measured on an H100 it was no faster than scoring inside the hooks
+from prebuilt candidates and 4% faster from scratch (bench/results/plan.md), since the scoring is
+now close to bound by the GPU's own work.
 
 On a GPU the bf16 grad scores are bound by the host: a scoring run spent about twice as much CPU
 time launching kernels as the GPU spent running them (bench/results/plan.md). Scored inside the
