@@ -86,8 +86,8 @@ def bench_solve(repeat: int) -> list[str]:
 
 def forward_backward(model, batches) -> None:
     """The floor of any grad method: forward + backward of the scores' loss (summed next-token
-    cross-entropy over valid targets), input gradients only, no score hooks."""
-    import torch
+    cross-entropy over valid targets, `scores.loss`), input gradients only, no score hooks."""
+    from resserve_export.algorithms.scores.loss import next_token_loss
 
     flags = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in flags:
@@ -97,9 +97,7 @@ def forward_backward(model, batches) -> None:
             ids, mask = b["input_ids"], b["attention_mask"]
             emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
             logits = model(inputs_embeds=emb, attention_mask=mask, use_cache=False).logits
-            lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-            ok = mask[:, 1:].bool() & mask[:, :-1].bool()
-            (-lp.gather(-1, ids[:, 1:, None]).squeeze(-1))[ok].sum().backward()
+            next_token_loss(logits, ids, mask)[0].backward()
     finally:
         for p, f in flags:
             p.requires_grad_(f)
@@ -266,6 +264,10 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
         grad["eager"], runs["eager"] = timed(scored("bf16"))
     finally:
         fused.available = real
+    # The loss through the fused cross-entropy kernels (`scores.loss`, opt-in) instead of eager ops.
+    with mock.patch.dict(os.environ, {"RESSERVE_FUSED_LOSS": "1"}):
+        t_floor_fused, _ = timed(fwd_bwd)
+        grad["fused-loss"], runs["fused-loss"] = timed(scored("bf16"))
     # The scoring thread (`scores.worker`) on and off, whichever is the default: scores from the
     # prebuilt candidates, and what `calibrate --scores grad` runs, compute_scores building its own
     # candidates (with the thread, each group on first use there, while the model's passes run).
@@ -302,9 +304,11 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
         "| --- | --- | --- |",
         f"| calibration pass (`calibrate.collect`) | {t_calib:.3f} | 1.00 |",
         f"| forward + backward of the loss alone, no score hooks | {t_floor:.3f} | {t_floor / t_calib:.2f} |",
+        f"| the same with the fused loss (`RESSERVE_FUSED_LOSS=1`) | {t_floor_fused:.3f} | {t_floor_fused / t_calib:.2f} |",
         f"| **grad scores, `precision=bf16` (the default for bf16 models)** | {grad['bf16']:.3f} | **{grad['bf16'] / t_calib:.2f}** |",
         f"| grad scores, bf16, scored inside the gradient hooks{' (the default)' if default == 'hooks' else ''} | {grad['hooks']:.3f} | {grad['hooks'] / t_calib:.2f} |",
         f"| grad scores, bf16, on the scoring thread{' (the default)' if default == 'thread' else ''} | {grad['thread']:.3f} | {grad['thread'] / t_calib:.2f} |",
+        f"| grad scores, bf16, with the fused loss (`RESSERVE_FUSED_LOSS=1`) | {grad['fused-loss']:.3f} | {grad['fused-loss'] / t_calib:.2f} |",
         f"| grad scores, bf16, eager reductions and operands (no Triton kernels) | {grad['eager']:.3f} | {grad['eager'] / t_calib:.2f} |",
         f"| grad scores, `precision=fp32` (FP32 emulation) | {grad['fp32']:.3f} | {grad['fp32'] / t_calib:.2f} |",
         f"| one-off weight quantization of every candidate, bf16 weight operands included | {t_build:.3f} | {t_build / t_calib:.2f} |",
@@ -314,7 +318,8 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
         "",
         f"Triton kernels {'used' if kernels else 'NOT available (the bf16 rows ran eagerly)'}. Largest relative difference over "
         f"{len(groups) * len(RATIOS)} (group, ratio) scores against the eager bf16 path: {moved(runs['bf16'], runs['eager']):.2e} "
-        "(stated tolerance 2e-4: the same FP32 products summed in another order); between the hooks and the thread: "
+        "(stated tolerance 2e-4: the same FP32 products summed in another order); with the fused loss: "
+        f"{moved(runs['bf16'], runs['fused-loss']):.2e}; between the hooks and the thread: "
         f"{moved(runs['hooks'], runs['thread']):.2e}, and from scratch: {max(moved(runs['bf16'], runs[k]) for k in ('scratch-hooks', 'scratch-thread')):.2e} "
         f"(the same operations), against {moved(runs['bf16'], runs['hooks']):.2e} between two runs of the same setting "
         "(on a GPU the model's backward is not deterministic, so two runs differ; on a CPU all three are 0).",

@@ -6,7 +6,8 @@ One forward + backward per batch; backward hooks on each quantized linear's outp
 scored from the captured input (all candidates from one pass, one product per ratio over the
 group's stacked members). Weight gradients are never computed. With ``RESSERVE_SCORE_THREAD=1``
 the hooks only hand each group over, and a thread of its own launches the candidate products
-(`worker`), so the backward keeps launching meanwhile. The candidate products run in
+(`worker`), so the backward keeps launching meanwhile. The loss is `loss.next_token_loss` (two
+fused kernels on CUDA with ``RESSERVE_FUSED_LOSS=1``). The candidate products run in
 FP32 (the emulated linear's own arithmetic, `Candidates.member_outputs`) or as bf16 GEMMs on the
 same FP4 operands (`Candidates.prepare_fast` / `group_sums_fast`, see `bf16`), as
 `precision.resolve_precision` chose. Padded targets are ignored by the loss, so their ∂L/∂Y is
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from resserve_export.algorithms.scores import worker as W
-from resserve_export.algorithms.scores.batches import valid_tokens
+from resserve_export.algorithms.scores.loss import next_token_loss
 
 
 class _GroupScorer:
@@ -145,16 +146,6 @@ class ScoreSums:
         """Per group ``{ratio: sum / tokens}`` (zeros for a group never seen)."""
         sums = {g.modules: self.acc[g.modules].tolist() if g.modules in self.acc else [0.0] * len(ratios) for g in groups}
         return {k: {r: s / max(tokens, 1) for r, s in zip(ratios, v)} for k, v in sums.items()}
-
-
-def next_token_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-    """Σ of the next-token cross-entropy (FP32 log-softmax) over the targets where position t
-    and t+1 are both valid tokens, and their count."""
-    valid = valid_tokens(mask, ids)
-    target_ok = valid[:, 1:] & valid[:, :-1]
-    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    nll = -lp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return torch.sum(nll[target_ok]), int(target_ok.sum())
 
 
 def grad_scores(model, batches, groups, cands, ratios, step, precision: str = "fp32", log: dict | None = None) -> dict:

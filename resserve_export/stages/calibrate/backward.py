@@ -18,7 +18,8 @@ import torch
 
 from resserve_export.algorithms.scores import scores_record
 from resserve_export.algorithms.scores.candidates import Candidates
-from resserve_export.algorithms.scores.grad import ScoreSums, next_token_loss, score_hooks
+from resserve_export.algorithms.scores.grad import ScoreSums, score_hooks
+from resserve_export.algorithms.scores.loss import next_token_loss
 from resserve_export.algorithms.scores.precision import resolve_precision
 from resserve_export.formats.mxfp4 import ScaleRounding
 from resserve_export.stages.calibrate.shell import LayerReader, Shell, release_host_memory, replaced, unload
