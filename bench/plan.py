@@ -247,6 +247,18 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
 
     t_floor, _ = timed(fwd_bwd)
 
+    def peak(fn) -> float:
+        """Peak GPU memory (GiB) allocated during one run of `fn` (0 on a CPU)."""
+        if dev != "cuda":
+            return 0.0
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() / 2**30
+
+    peaks = {"eager": peak(fwd_bwd)}
+
     def scored(prec):
         return lambda: S.compute_scores(model, batches, stats, groups, "grad", candidates=cands, show_progress=False, precision=prec)
 
@@ -267,6 +279,7 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
     # The loss through the fused cross-entropy kernels (`scores.loss`, opt-in) instead of eager ops.
     with mock.patch.dict(os.environ, {"RESSERVE_FUSED_LOSS": "1"}):
         t_floor_fused, _ = timed(fwd_bwd)
+        peaks["fused"] = peak(fwd_bwd)
         grad["fused-loss"], runs["fused-loss"] = timed(scored("bf16"))
     # The scoring thread (`scores.worker`) on and off, whichever is the default: scores from the
     # prebuilt candidates, and what `calibrate --scores grad` runs, compute_scores building its own
@@ -315,6 +328,8 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
         f"| **grad scores + one-off quantization, timed apart** | {grad['bf16'] + t_build:.3f} | **{(grad['bf16'] + t_build) / t_calib:.2f}** |",
         f"| grad scores from scratch (`compute_scores` building its own candidates, what `calibrate` runs), inside the hooks | {grad['scratch-hooks']:.3f} | {grad['scratch-hooks'] / t_calib:.2f} |",
         f"| grad scores from scratch, on the scoring thread (candidates built there on first use) | {grad['scratch-thread']:.3f} | {grad['scratch-thread'] / t_calib:.2f} |",
+        "",
+        f"Peak GPU memory of the forward + backward: {peaks['eager']:.2f} GiB with the eager loss, {peaks['fused']:.2f} GiB with the fused one.",
         "",
         f"Triton kernels {'used' if kernels else 'NOT available (the bf16 rows ran eagerly)'}. Largest relative difference over "
         f"{len(groups) * len(RATIOS)} (group, ratio) scores against the eager bf16 path: {moved(runs['bf16'], runs['eager']):.2e} "
