@@ -104,10 +104,14 @@ def triton_kernel(build):
     return get
 
 
-def kernel_available(device, kernel) -> bool:
+def kernel_available(device, kernel, interpret: bool = False) -> bool:
     """Whether a `triton_kernel` runs for tensors on `device`: CUDA with Triton, unless
-    ``RESSERVE_BACKEND=reference`` asks for the eager paths."""
-    if os.environ.get("RESSERVE_BACKEND", "") == "reference" or device.type != "cuda":
+    ``RESSERVE_BACKEND=reference`` asks for the eager paths. `interpret`: CPU tensors too under
+    ``TRITON_INTERPRET=1`` (for kernels whose tests check their logic that way)."""
+    if os.environ.get("RESSERVE_BACKEND", "") == "reference":
+        return False
+    on_cpu = interpret and device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "") == "1"
+    if device.type != "cuda" and not on_cpu:
         return False
     return kernel() is not None
 

@@ -30,7 +30,7 @@ import os
 import torch
 
 from resserve_export.algorithms.scores.batches import valid_tokens
-from resserve_export.core.compiling import triton_kernel
+from resserve_export.core.compiling import kernel_available, triton_kernel
 
 # Vocabulary columns per step of the forward's row loop, and per program of the backward.
 _FWD_BLOCK = 2048
@@ -94,12 +94,7 @@ def wanted() -> bool:
 def available(device: torch.device) -> bool:
     """Whether the fused loss runs for logits on `device`: CUDA with Triton (CPU tensors under
     ``TRITON_INTERPRET=1``), unless ``RESSERVE_BACKEND=reference``."""
-    if os.environ.get("RESSERVE_BACKEND", "") == "reference":
-        return False
-    interpret = os.environ.get("TRITON_INTERPRET", "") == "1"
-    if device.type != "cuda" and not (interpret and device.type == "cpu"):
-        return False
-    return _kernels() is not None
+    return kernel_available(device, _kernels, interpret=True)
 
 
 class _FusedLoss(torch.autograd.Function):
