@@ -24,11 +24,10 @@ checked without a GPU).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from resserve_export.core.compiling import triton_modules
+from resserve_export.core.compiling import kernel_available, triton_modules
 from resserve_export.formats.fp4 import e2m1_table
 
 # Elements per program of the reduction: BLOCK lanes × _ITERS steps. 16K elements keep ≥ 1000
@@ -47,12 +46,7 @@ def _triton():
 
 def available(device: torch.device) -> bool:
     """Whether the kernels run for tensors on `device` (see the module docstring)."""
-    if os.environ.get("RESSERVE_BACKEND", "") == "reference":
-        return False
-    interpret = os.environ.get("TRITON_INTERPRET", "") == "1"
-    if device.type != "cuda" and not (interpret and device.type == "cpu"):
-        return False
-    return _triton() is not None
+    return kernel_available(device, _triton, interpret=True)
 
 
 def _build(triton, tl):
