@@ -79,16 +79,17 @@ def _zero_where_no_target(grad, mask):
 def _interpreted_check() -> None:
     """Run under ``TRITON_INTERPRET=1`` (set before Triton is first imported: its own helper
     functions are made interpretable at import)."""
+    import os
+
     assert L.available(torch.device("cpu"))
     for dtype in (torch.float32, torch.bfloat16):
         logits, ids, mask = _case(dtype, V=3000)
         fused = _grads(L.fused_loss, logits, ids, mask)
-        _check_fused(fused, _grads(L.eager_loss, logits, ids, mask), dtype, exact_fraction=None)
+        eager = _grads(L.eager_loss, logits, ids, mask)
+        _check_fused(fused, eager, dtype, exact_fraction=None)
         _zero_where_no_target(fused[1], mask)
         # next_token_loss takes them when asked to (and only then).
-        import os
-
-        for flag, want in (("1", fused[0]), ("0", _grads(L.eager_loss, logits, ids, mask)[0])):
+        for flag, want in (("1", fused[0]), ("0", eager[0])):
             os.environ["RESSERVE_FUSED_LOSS"] = flag
             assert torch.equal(L.next_token_loss(logits, ids, mask)[0], want)
 
