@@ -13,9 +13,8 @@ the kernels have run on a GPU; their logic is checked on CPU tensors under the T
 and a GPU test and a bench row are written), the loss is one custom autograd function
 (`_FusedLoss`) of two kernels: the forward reads each row of logits once (a running max and
 sum of exponentials per lane, then the row's max M and log-sum log S), and the backward writes
-the gradient
-``exp((x − M) − log S) − onehot`` straight in the logits' dtype, zeros in the rows that are no
-target, once per element (≈ 3.7 GB per batch above; nothing but M and log S, two FP32 numbers a
+the gradient ``exp((x − M) − log S) − onehot`` straight in the logits' dtype, zeros in the rows
+that are no target, once per element (≈ 3.7 GB per batch above; nothing but M and log S, two FP32 numbers a
 row, kept for the backward besides the logits the model already holds). The arithmetic is the
 eager log-softmax's, ``(x − M) − log S`` in FP32 with the gradient rounded once to the logits'
 dtype; the sums of exponentials run in another order, so gradients can differ from the eager ones
