@@ -844,3 +844,121 @@ def test_scoring_thread_whose_set_up_fails_raises_instead_of_hanging(monkeypatch
         t.drain()
     t.close(raise_error=False)
     assert ran == [] and not t._thread.is_alive()
+
+
+def _same_candidates(a, b) -> None:
+    """Two `Candidates` of one group, bit for bit: every member's codes and scales at every ratio,
+    and the bf16 weight operands either has built."""
+    for r in a.ratios:
+        for qa, qb in zip(a.qw[r], b.qw[r]):
+            for fa, fb in ((qa.base, qb.base), (qa.ext, qb.ext)):
+                assert (fa is None) == (fb is None)
+                if fa is not None:
+                    assert torch.equal(fa.codes, fb.codes) and torch.equal(fa.scales, fb.scales)
+    for split, (b0, res) in a.__dict__.get("_fast_group", {}).items():
+        b.build_fast_weights(split)
+        c0, cres = b._fast_group[split]
+        assert torch.equal(b0, c0) and res.keys() == cres.keys() and all(torch.equal(res[r], cres[r]) for r in res)
+
+
+@pytest.mark.parametrize("precision,thread", [("bf16", "0"), ("fp32", "0"), ("bf16", "1")])
+def test_candidates_built_ahead_give_the_same_scores(tiny_bf16, precision, thread, monkeypatch):
+    """Candidates built ahead on a thread of their own (`CandidatePool.build_ahead`, the GPU
+    default) give the scores of candidates built before the first batch, bit for bit (with the
+    scoring thread too); every group is built once, and the thread has ended on return."""
+    import threading
+
+    model, groups, batches, stats = tiny_bf16
+    monkeypatch.setenv("RESSERVE_SCORE_THREAD", thread)
+    pools = []
+    real = S.CandidatePool.build_ahead
+
+    def spy(self, *a, **k):
+        pools.append(self)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(S.CandidatePool, "build_ahead", spy)
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("RESSERVE_BUILD_AHEAD", flag)
+        runs[flag] = S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision=precision)
+    assert [g["scores"] for g in runs["1"]["groups"]] == [g["scores"] for g in runs["0"]["groups"]]
+    assert len(pools) == 1 and pools[0].builds == len(groups) and set(pools[0].kept) == {g.modules for g in groups}
+    assert not any(t.name == "resserve-candidates" for t in threading.enumerate())
+    want = S.build_candidates(model, groups, stats, RATIOS)
+    for key, cand in pools[0].kept.items():
+        # The bf16 path's operands were made on the thread, in the layout the scoring used.
+        assert ("_fast_group" in cand.__dict__) == (precision == "bf16")
+        _same_candidates(cand, want[key])
+
+
+def test_candidates_built_ahead_respect_the_memory_budget(tiny_bf16, monkeypatch):
+    """With no room, nothing is built ahead: every group is built per batch on use, as before."""
+    model, groups, batches, stats = tiny_bf16
+    monkeypatch.setenv("RESSERVE_BUILD_AHEAD", "1")
+    kept = S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision="bf16")
+    pool = S.CandidatePool(model, groups, stats, RATIOS, "nvfp4", "ceil", 0, 4.0)
+    pool.build_ahead([g.modules for g in groups])
+    assert pool._ahead.keys == []
+    pool.close()
+    tight = S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision="bf16", memory_budget=0)
+    assert [g["scores"] for g in tight["groups"]] == [g["scores"] for g in kept["groups"]]
+
+
+def test_build_ahead_error_reaches_the_caller(tiny_bf16, monkeypatch):
+    """A group that fails to build on the thread fails compute_scores with that error (not a hang,
+    not a later KeyError), and the thread ends."""
+    import threading
+
+    model, groups, batches, stats = tiny_bf16
+    monkeypatch.setenv("RESSERVE_BUILD_AHEAD", "1")
+    real = C.Candidates.__init__
+    bad = groups[0].modules  # scored last: the groups before it were built and used
+
+    def broken(self, model, group, *a, **k):
+        if group.modules == bad:
+            raise RuntimeError("quantizing the group failed")
+        real(self, model, group, *a, **k)
+
+    monkeypatch.setattr(S.pool.Candidates, "__init__", broken)
+    with pytest.raises(RuntimeError, match="quantizing the group failed"):
+        S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision="bf16")
+    assert not any(t.name == "resserve-candidates" for t in threading.enumerate())
+
+
+def test_build_ahead_is_on_for_gpus_only(monkeypatch):
+    monkeypatch.delenv("RESSERVE_BUILD_AHEAD", raising=False)
+    assert S.build_ahead_wanted(torch.device("cuda", 0)) and not S.build_ahead_wanted(torch.device("cpu"))
+    monkeypatch.setenv("RESSERVE_BUILD_AHEAD", "0")
+    assert not S.build_ahead_wanted(torch.device("cuda", 0))
+    monkeypatch.setenv("RESSERVE_BUILD_AHEAD", "1")
+    assert S.build_ahead_wanted(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_candidates_built_ahead_give_the_same_candidates_and_scores(tiny_bf16, monkeypatch):
+    """On a GPU the thread builds on a CUDA stream of its own: the candidates are the bits of
+    `build_candidates` on the default stream, and the scores are those of building first."""
+    import copy
+
+    model, groups, batches, stats = tiny_bf16
+    model = copy.deepcopy(model).cuda()
+    pools = []
+    real = S.CandidatePool.build_ahead
+
+    def spy(self, *a, **k):
+        pools.append(self)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(S.CandidatePool, "build_ahead", spy)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("RESSERVE_BUILD_AHEAD", flag)
+        runs[flag] = S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision="bf16")
+    assert len(pools) == 1 and pools[0].builds == len(groups)
+    want = S.build_candidates(model, groups, stats, RATIOS)
+    for key, cand in pools[0].kept.items():
+        assert cand.qw[cand.ratios[0]][0].base.codes.is_cuda
+        _same_candidates(cand, want[key])
+    assert [g["scores"] for g in runs["1"]["groups"]] == [g["scores"] for g in runs["0"]["groups"]]

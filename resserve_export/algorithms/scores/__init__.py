@@ -36,6 +36,7 @@ One concept per module:
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Callable, Iterable
 
@@ -47,6 +48,7 @@ from resserve_export.modeling.groups import Group
 from resserve_export.formats.mxfp4 import ScaleRounding
 from resserve_export.algorithms.selection import check_ratio
 from resserve_export.algorithms.scores.batches import device_of, take
+from resserve_export.algorithms.scores.bf16 import split_base
 from resserve_export.algorithms.scores.candidates import Candidates, build_candidates, quantized
 
 from resserve_export.algorithms.scores.grad import grad_scores
@@ -120,6 +122,7 @@ def compute_scores(
     model.eval()
     total = len(batches) * len(groups) * len(ratios)
     done = [0]
+    pool = None
 
     with scoring_progress(progress, show_progress, method, len(groups), len(ratios), num_samples) as (wprog, progress):
 
@@ -132,19 +135,45 @@ def compute_scores(
             if candidates is None:
                 budget = default_budget(device_of(model)) if memory_budget is None else int(memory_budget)
                 bpw = bytes_per_weight_of(method, precision, device_of(model), dtype)
-                candidates = CandidatePool(model, groups, stats, ratios, fmt, rounding, budget, bpw, base_weights)
-                # The grad hooks visit the groups last layer first: keep those that fit from there.
-                # With a scoring thread, each group is built there when it is first scored
-                # instead, in the same order, while the model's passes run (`worker`).
-                if not (method == "grad" and wanted()):
-                    candidates.prebuild([g.modules for g in (reversed(groups) if method == "grad" else groups)], wprog)
+                pool = candidates = CandidatePool(model, groups, stats, ratios, fmt, rounding, budget, bpw, base_weights)
+                # The grad hooks visit the groups last layer first: keep those that fit from there,
+                # built ahead on a thread of their own where `build_ahead_wanted` (a GPU), else
+                # before the first batch, or, with a scoring thread, there on first use (`worker`).
+                order = [g.modules for g in (reversed(groups) if method == "grad" else groups)]
+                if method == "grad" and build_ahead_wanted(device_of(model)):
+                    pool.build_ahead(order, wprog, _operands(precision, dtype, device_of(model)))
+                elif not (method == "grad" and wanted()):
+                    pool.prebuild(order, wprog)
             if method == "kl":
                 sums = kl_scores(model, batches, groups, candidates, ratios, step)
             else:
                 sums = grad_scores(model, batches, groups, candidates, ratios, step, precision, log=log)
+            if pool is not None:
+                pool.close()
         finally:
+            if pool is not None:
+                pool.close(raise_error=False)
             model.train(was_training)
     return scores_record(sums, groups, ratios, method, num_samples, fmt, rounding, precision, time.perf_counter() - t0)
+
+
+def build_ahead_wanted(device: torch.device) -> bool:
+    """Whether the grad scores build their candidates ahead, on a thread of their own
+    (`CandidatePool.build_ahead`): on GPUs, where building is host work that the model's passes
+    leave room for. ``RESSERVE_BUILD_AHEAD=0`` turns it off, ``1`` on on any device."""
+    flag = os.environ.get("RESSERVE_BUILD_AHEAD", "")
+    if flag in ("0", "1"):
+        return flag == "1"
+    return torch.device(device).type == "cuda"
+
+
+def _operands(precision: str, dtype: torch.dtype, device: torch.device):
+    """What the build-ahead thread makes after each group: the bf16 path's weight operands in the
+    layout the scoring will ask for (`bf16.split_base` of the model's dtype), else nothing."""
+    if precision != "bf16":
+        return None
+    x = torch.empty((1, 1), dtype=dtype, device=device)
+    return lambda cand: cand.build_fast_weights(split_base(x, cand.linears))
 
 
 def scores_record(sums: dict, groups: list[Group], ratios, method: str, num_samples: int, fmt: str, rounding, precision: str, seconds: float) -> dict:

@@ -5,11 +5,21 @@ ratio), and keeping all of them may not fit: `CandidatePool` keeps the groups th
 budget (`default_budget`: half the memory free on the device) and rebuilds the others per
 batch. Candidates are deterministic, so the scores are the same bits either way. The bytes a
 group takes per weight depend on the precision and layout (`precision.bytes_per_weight_of`).
+
+On a GPU the grad scores build the groups that fit ahead of their use (`CandidatePool.build_ahead`):
+a thread of its own builds them on a CUDA stream of its own, last layer first (the order the
+backward pass asks for them), while the first batch's forward and backward run, instead of all
+of them before the first batch. Building a group is mostly host work (about 2 ms a group, a
+tenth of it GPU time, bench/results/plan.md), so it overlaps the model's passes. A group asked
+for before it is built waits for it; the candidates are the same bits either way.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from contextlib import nullcontext
+from typing import Callable
 
 import torch
 
@@ -45,8 +55,11 @@ class CandidatePool:
         self.budget, self.bytes_per_weight = budget, bytes_per_weight
         self.kept: dict[tuple[str, ...], Candidates] = {}
         self.used, self.builds = 0, 0
+        self._ahead: _Ahead | None = None
 
     def __getitem__(self, key: tuple[str, ...]) -> Candidates:
+        if self._ahead is not None and key in self._ahead.pending:
+            return self._ahead.take(key)
         if key in self.kept:
             return self.kept[key]
         g = self.groups[key]
@@ -58,6 +71,28 @@ class CandidatePool:
             self.used += size
         return cand
 
+    def _fits(self, order) -> list:
+        """The keys of `order` not yet kept that fit the budget, in order, counted as used."""
+        out = []
+        for key in order:
+            size = self.groups[key].weight_count * self.bytes_per_weight
+            if key not in self.kept and key not in out and self.used + size <= self.budget:
+                out.append(key)
+                self.used += size
+        return out
+
+    def build_ahead(self, order, progress=None, prepare: Callable[[Candidates], None] | None = None) -> None:
+        """Start building (and keeping) the groups that fit, in `order`, on a thread of their own
+        (`_Ahead`); `__getitem__` waits for a group still being built. `prepare(candidates)` runs
+        on the thread after each build (the bf16 weight operands). `close` ends the thread."""
+        self._ahead = _Ahead(self, self._fits(list(order)), progress, prepare)
+
+    def close(self, raise_error: bool = True) -> None:
+        """Wait for a `build_ahead` thread to end (raising its error, if any and `raise_error`)."""
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            ahead.close(raise_error)
+
     def prebuild(self, order, progress=None) -> None:
         """Build (and keep) the groups that fit, in `order`, reporting ``progress(done, total)``."""
         order = list(order)
@@ -66,4 +101,74 @@ class CandidatePool:
                 self[key]
             if progress is not None:
                 progress(k + 1, len(order))
+
+
+
+class _Ahead:
+    """The thread of `CandidatePool.build_ahead`: builds `keys` in order, on the pool's device
+    with a CUDA stream of its own (a host sync in a build then waits for the builds only, not for
+    the model's queued kernels), and records an event after each group. `take` waits for a
+    group's build, makes the caller's stream wait for its event and returns it (kept in the pool).
+    The thread stops at its first error, which `take` and `close` raise."""
+
+    def __init__(self, pool: CandidatePool, keys: list, progress, prepare):
+        self.pool, self.keys, self.progress, self.prepare = pool, keys, progress, prepare
+        self.pending = set(keys)
+        self.done = {key: threading.Event() for key in keys}
+        self.events: dict = {}
+        self.error: BaseException | None = None
+        self.stop = False
+        weight = next(iter(pool.model.parameters()), None)
+        self.device = weight.device if weight is not None else torch.device("cpu")
+        self.threads = torch.get_num_threads()
+        self.thread = threading.Thread(target=self._run, name="resserve-candidates", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            torch.set_grad_enabled(False)
+            torch.set_num_threads(self.threads)
+            stream = None
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+                stream = torch.cuda.Stream(self.device)
+            for k, key in enumerate(self.keys):
+                if self.stop:
+                    break
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                    cand = Candidates(self.pool.model, self.pool.groups[key], self.pool.stats, self.pool.ratios, self.pool.fmt, self.pool.rounding, self.pool.base_weights)
+                    if self.prepare is not None:
+                        self.prepare(cand)
+                    if stream is not None:
+                        self.events[key] = stream.record_event()
+                self.pool.kept[key] = cand
+                self.pool.builds += 1
+                self.done[key].set()
+                if self.progress is not None:
+                    self.progress(k + 1, len(self.keys))
+        except BaseException as e:  # raised by `take` / `close`
+            self.error = e
+        finally:
+            for ev in self.done.values():  # nobody waits forever on a group that will not come
+                ev.set()
+
+    def take(self, key) -> Candidates:
+        self.done[key].wait()
+        if key not in self.pool.kept:
+            raise self.error if self.error is not None else RuntimeError(f"candidates of {key} were not built")
+        self.pending.discard(key)
+        ev = self.events.pop(key, None)
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+        return self.pool.kept[key]
+
+    def close(self, raise_error: bool) -> None:
+        self.stop = True
+        self.thread.join()
+        if self.device.type == "cuda":
+            # Candidates made on the thread's stream go back to its memory pool when dropped;
+            # nothing queued on another stream may still read them by then.
+            torch.cuda.synchronize(self.device)
+        if self.error is not None and raise_error:
+            raise self.error
 
