@@ -7,7 +7,8 @@ scored from the captured input (all candidates from one pass, one product per ra
 group's stacked members). Weight gradients are never computed. With ``RESSERVE_SCORE_THREAD=1``
 the hooks only hand each group over, and a thread of its own launches the candidate products
 (`worker`), so the backward keeps launching meanwhile. The loss is `loss.next_token_loss` (two
-fused kernels on CUDA with ``RESSERVE_FUSED_LOSS=1``). The candidate products run in
+fused kernels on CUDA with ``RESSERVE_FUSED_LOSS=1``); the model's RMSNorms run as two fused
+kernels with ``RESSERVE_FUSED_NORM=1`` (`norm.fused_norms`). The candidate products run in
 FP32 (the emulated linear's own arithmetic, `Candidates.member_outputs`) or as bf16 GEMMs on the
 same FP4 operands (`Candidates.prepare_fast` / `group_sums_fast`, see `bf16`), as
 `precision.resolve_precision` chose. Padded targets are ignored by the loss, so their ∂L/∂Y is
@@ -20,6 +21,7 @@ import torch
 
 from resserve_export.algorithms.scores import worker as W
 from resserve_export.algorithms.scores.loss import next_token_loss
+from resserve_export.algorithms.scores.norm import fused_norms
 
 
 class _GroupScorer:
@@ -127,6 +129,7 @@ class ScoreSums:
     def __init__(self, log: dict | None = None):
         self.acc: dict[tuple[str, ...], torch.Tensor] = {}
         self.log = log
+        self.tokens = 0  # valid targets scored (`grad_scores` counts them)
 
     def add(self, key, v: torch.Tensor) -> None:
         self.acc[key] = (self.acc[key] if key in self.acc else torch.zeros_like(v)) + v
@@ -154,29 +157,14 @@ def grad_scores(model, batches, groups, cands, ratios, step, precision: str = "f
     `worker.ScoringThread` where `worker.wanted`."""
     fast = precision == "bf16"
     sums = ScoreSums(log)
-    tokens = 0
     params = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in params:
         p.requires_grad_(False)
     embed = model.get_input_embeddings()
     worker = W.ScoringThread(embed.weight.device) if W.wanted() else None
     try:
-        for batch in batches:
-            ids, mask = batch["input_ids"], batch.get("attention_mask")
-            hooks, scorers = score_hooks(model, groups, cands, ratios, fast, sums.add, None if worker is None else worker.submit)
-            try:
-                emb = embed(ids).detach().requires_grad_(True)
-                logits = model(inputs_embeds=emb, attention_mask=mask, use_cache=False).logits
-                loss, n = next_token_loss(logits, ids, mask)
-                tokens += n
-                loss.backward()
-                for scorer in scorers:
-                    scorer.flush()
-            finally:
-                for h in hooks:
-                    h.remove()
-            del logits, loss, emb
-            step(len(groups) * len(ratios))
+        with fused_norms(model):
+            _passes(model, batches, groups, cands, ratios, step, fast, sums, worker)
         if worker is not None:
             worker.close()  # waits for the last groups; raises a scoring error
     except BaseException:
@@ -187,5 +175,26 @@ def grad_scores(model, batches, groups, cands, ratios, step, precision: str = "f
         for p, flag in params:
             p.requires_grad_(flag)
     if log is not None:
-        log["tokens"] = tokens
-    return sums.normalised(groups, ratios, tokens)
+        log["tokens"] = sums.tokens
+    return sums.normalised(groups, ratios, sums.tokens)
+
+
+def _passes(model, batches, groups, cands, ratios, step, fast: bool, sums: ScoreSums, worker) -> None:
+    """One forward + backward per batch with the score hooks on; the tokens counted in `sums`."""
+    embed = model.get_input_embeddings()
+    for batch in batches:
+        ids, mask = batch["input_ids"], batch.get("attention_mask")
+        hooks, scorers = score_hooks(model, groups, cands, ratios, fast, sums.add, None if worker is None else worker.submit)
+        try:
+            emb = embed(ids).detach().requires_grad_(True)
+            logits = model(inputs_embeds=emb, attention_mask=mask, use_cache=False).logits
+            loss, n = next_token_loss(logits, ids, mask)
+            sums.tokens += n
+            loss.backward()
+            for scorer in scorers:
+                scorer.flush()
+        finally:
+            for h in hooks:
+                h.remove()
+        del logits, loss, emb
+        step(len(groups) * len(ratios))

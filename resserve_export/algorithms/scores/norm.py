@@ -1,0 +1,245 @@
+"""The grad scores' RMSNorms: forward and backward in one Triton kernel each.
+
+Transformers' RMSNorms compute in FP32 as a chain of eager ops (widen, square, mean, rsqrt,
+scale, narrow, weight), and their backward replays that chain through autograd with FP32 copies
+of the hidden states at every step. The grad scores run a forward and a backward of the whole
+model per batch; by a count of bytes these norms (two per layer on the hidden states, and Qwen3's
+per-head q/k norms) are the largest share of the model's own non-GEMM memory traffic there
+(bench/results/plan.md). `fused_norms` swaps every RMSNorm of a model for `_FusedNorm` during
+those passes: the forward reads each row once and writes the output and the row's 1/rms; the
+backward reads the row, the output's gradient and the weight once and writes the input's
+gradient. Weights are frozen while scoring, so no weight gradient is formed.
+
+Two forms, as transformers writes them: Llama's ``w · narrow(x · r)`` (Llama, Qwen, Mistral and
+most families) and Gemma's ``narrow(x · r · (1 + w))``, with r = rsqrt(mean(x²) + ε), both in
+FP32 with the same roundings as the eager ops (the narrowing to bf16 is done on the bits, so the
+interpreter that the CPU tests run rounds as the GPU does), for bf16 and fp16 inputs. Which form, if any, a norm class
+computes is not taken on trust: on its first call in a `fused_norms` block the module's own
+forward runs too, and the class is fused only if one form gives its output within two units in
+the last place everywhere and bit for bit on at least 99% of the elements (the sum of squares
+runs in another order, so the last bit of a few outputs may differ); anything else, or a call
+with more arguments, a weight that wants a gradient or a dtype mix the forms do not cover, takes
+the module's own forward.
+
+On CUDA with Triton (`available`), and with ``RESSERVE_FUSED_NORM=1`` (`wanted`: opt-in until
+measured on a GPU). ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (how the tests check
+them without a GPU); ``RESSERVE_BACKEND=reference`` forces the eager path.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from resserve_export.core.compiling import kernel_available, triton_kernel
+
+# How the kernels round their FP32 results to the input's dtype (a constexpr of both kernels).
+# FP32 models keep their own norms: there an ulp of difference in a row's 1/rms moves the last
+# bit of the whole row, and those models are not what the GPU scores are slow on.
+_KIND = {torch.bfloat16: 1, torch.float16: 2}
+_FORMS = ("llama", "gemma")
+# What a form must reach on a class's first call to be used for it (module docstring).
+_MAX_ULPS = 2
+_MIN_IDENTICAL = 0.99
+
+
+@triton_kernel
+def _kernels(triton, tl):
+    # Rounding an FP32 value to nearest-even at the input's precision, kept in FP32 (then exact
+    # to store): written out in each kernel (a helper @jit function defined here would not be
+    # found by the interpreter). bf16 on the bits, so that the interpreter rounds as the GPU.
+    @triton.jit
+    def fwd(x_ptr, w_ptr, y_ptr, r_ptr, N, ld_x, ld_y, eps, inv_n, GEMMA: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < N
+        x = tl.load(x_ptr + row * ld_x + cols, mask=inside, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        r = tl.math.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)
+        h = x * r
+        if not GEMMA:  # Llama: h narrowed first, then the weight's product
+            if KIND == 1:
+                u = h.to(tl.uint32, bitcast=True)
+                h = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            elif KIND == 2:
+                h = h.to(tl.float16).to(tl.float32)
+            y = w * h
+        else:
+            y = h * (1.0 + w)
+        if KIND == 1:
+            u = y.to(tl.uint32, bitcast=True)
+            y = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        tl.store(y_ptr + row * ld_y + cols, y.to(y_ptr.dtype.element_ty), mask=inside)
+        tl.store(r_ptr + row, r)
+
+    @triton.jit
+    def bwd(x_ptr, w_ptr, r_ptr, dy_ptr, dx_ptr, N, ld_x, ld_dy, ld_dx, GEMMA: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < N
+        x = tl.load(x_ptr + row * ld_x + cols, mask=inside, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * ld_dy + cols, mask=inside, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + row)
+        # The eager chain's backward, step by step: the weight's product (rounded to the input's
+        # dtype in Llama's form), then h = x·r, r = rsqrt(u) (−½·g·r³), u = mean(x²) (g / N) and
+        # x² (g·2x), the two paths into x added, narrowed once.
+        if GEMMA:
+            gh = dy * (1.0 + w)
+        else:
+            gh = dy * w
+            if KIND == 1:
+                u = gh.to(tl.uint32, bitcast=True)
+                gh = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            elif KIND == 2:
+                gh = gh.to(tl.float16).to(tl.float32)
+        gu = (-0.5 * tl.sum(gh * x, axis=0)) * (r * r * r)
+        dx = gh * r + (gu / N) * (2.0 * x)
+        if KIND == 1:
+            u = dx.to(tl.uint32, bitcast=True)
+            dx = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        tl.store(dx_ptr + row * ld_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=inside)
+
+    return fwd, bwd
+
+
+def wanted() -> bool:
+    """Whether the grad scores fuse their RMSNorms where the kernels run: ``RESSERVE_FUSED_NORM=1``."""
+    return os.environ.get("RESSERVE_FUSED_NORM", "") == "1"
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels run for tensors on `device`: CUDA with Triton (CPU tensors under
+    ``TRITON_INTERPRET=1``), unless ``RESSERVE_BACKEND=reference``."""
+    return kernel_available(device, _kernels, interpret=True)
+
+
+def _warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+class _FusedNorm(torch.autograd.Function):
+    """RMSNorm of x ``[..., N]`` with weight w ``[N]`` (no gradient) in `form`; x's dtype out."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps: float, gemma: bool):
+        fwd, _ = _kernels()
+        N = x.shape[-1]
+        x2 = x.reshape(-1, N)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        rows = x2.shape[0]
+        y = torch.empty((rows, N), dtype=x.dtype, device=x.device)
+        r = torch.empty(rows, dtype=torch.float32, device=x.device)
+        block = _next_power_of_2(N)
+        if rows:
+            inv_n = float(torch.tensor(1.0, dtype=torch.float32) / N)  # mean's factor, as FP32
+            fwd[(rows,)](x2, w, y, r, N, x2.stride(0), y.stride(0), eps, inv_n, GEMMA=gemma, KIND=_KIND[x.dtype], BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
+        ctx.save_for_backward(x2, w, r)
+        ctx.gemma, ctx.shape = gemma, x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        _, bwd = _kernels()
+        x2, w, r = ctx.saved_tensors
+        rows, N = x2.shape
+        dy2 = dy.reshape(rows, N)
+        if dy2.stride(-1) != 1:
+            dy2 = dy2.contiguous()
+        dx = torch.empty_like(x2)
+        block = _next_power_of_2(N)
+        if rows:
+            bwd[(rows,)](x2, w, r, dy2, dx, N, x2.stride(0), dy2.stride(0), dx.stride(0), GEMMA=ctx.gemma, KIND=_KIND[x2.dtype], BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
+        return dx.view(ctx.shape), None, None, None
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str) -> torch.Tensor:
+    """RMSNorm of x in `form` (``llama`` or ``gemma``) through the kernels; `available` must hold."""
+    if form not in _FORMS:
+        raise ValueError(f"unknown RMSNorm form {form!r}, available: {list(_FORMS)}")
+    return _FusedNorm.apply(x, weight.detach(), float(eps), form == "gemma")
+
+
+def _eps_of(mod: nn.Module) -> float | None:
+    """The ε of a module that looks like an RMSNorm (class name, one 1-D weight), else None."""
+    if not type(mod).__name__.endswith("RMSNorm"):
+        return None
+    w = getattr(mod, "weight", None)
+    if not isinstance(w, nn.Parameter) or w.dim() != 1:
+        return None
+    for name in ("variance_epsilon", "eps"):
+        eps = getattr(mod, name, None)
+        if isinstance(eps, float):
+            return eps
+    return None
+
+
+def _covered(x: torch.Tensor, w: torch.Tensor, form: str) -> bool:
+    """Whether a form's kernels cover these dtypes: the eager Llama form's output takes the
+    weight's dtype, so it must be x's; Gemma's is x's own."""
+    return x.dtype in _KIND and x.shape[-1] == w.shape[0] and (form == "gemma" or w.dtype == x.dtype)
+
+
+def _agrees(y: torch.Tensor, want: torch.Tensor) -> bool:
+    """Within `_MAX_ULPS` units in the last place everywhere and bit for bit on `_MIN_IDENTICAL`."""
+    if y.shape != want.shape or y.dtype != want.dtype:
+        return False
+    a, b = y.float(), want.float()
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    if not bool(same.all()):
+        ulp = torch.finfo(y.dtype).eps * b.abs() + torch.finfo(y.dtype).tiny
+        if not bool(((a - b).abs() <= _MAX_ULPS * ulp)[~same].all()):
+            return False
+    return float(same.float().mean()) >= _MIN_IDENTICAL
+
+
+@contextmanager
+def fused_norms(model: nn.Module):
+    """Every RMSNorm of `model` through the kernels inside the block, where `wanted` and
+    `available` (else nothing changes); each class's form is checked on its first call (module
+    docstring). Restored on exit. Yields ``{norm class: form or None}`` as the calls decide them
+    (None: the class keeps its own forward), or None where nothing is swapped."""
+    norms = [(m, eps) for m in model.modules() if (eps := _eps_of(m)) is not None]
+    if not norms or not (wanted() and available(norms[0][0].weight.device)):
+        yield None
+        return
+    forms: dict[type, str | None] = {}
+
+    def patched(mod: nn.Module, eps: float):
+        own = mod.forward
+
+        def forward(*args, **kwargs):
+            if kwargs or len(args) != 1 or mod.weight.requires_grad or not isinstance(args[0], torch.Tensor):
+                return own(*args, **kwargs)
+            x = args[0]
+            cls = type(mod)
+            if cls not in forms:
+                with torch.no_grad():
+                    want = own(x)
+                    forms[cls] = next((f for f in _FORMS if _covered(x, mod.weight, f) and _agrees(fused_rms_norm(x, mod.weight, eps, f), want)), None)
+            form = forms[cls]
+            if form is None or not _covered(x, mod.weight, form):
+                return own(x)
+            return fused_rms_norm(x, mod.weight, eps, form)
+
+        return forward
+
+    before = [(mod, mod.__dict__.get("forward")) for mod, _ in norms]
+    try:
+        for mod, eps in norms:
+            mod.forward = patched(mod, eps)
+        yield forms
+    finally:
+        for mod, prior in before:
+            if prior is None:
+                mod.__dict__.pop("forward", None)
+            else:
+                mod.forward = prior

@@ -1,0 +1,219 @@
+"""The grad scores' fused RMSNorms (`scores.norm`): which modules are norms, the rule that decides
+whether a class is fused, and the kernels against transformers' own norms (under the Triton
+interpreter on CPU tensors, and on a GPU)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from resserve_export.algorithms.scores import norm as NM
+
+
+class OddRMSNorm(nn.Module):
+    """Named like a norm, computes something else: must keep its own forward."""
+
+    def __init__(self, n: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        xf = x.float()
+        return (2 * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * self.weight.float()).to(x.dtype)
+
+
+def _norm(cls_name: str, n: int, dtype, seed: int = 0):
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    cls = {"qwen3": Qwen3RMSNorm, "gemma3": Gemma3RMSNorm, "odd": OddRMSNorm}[cls_name]
+    torch.manual_seed(seed)
+    m = cls(n).to(dtype)
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(n) * 0.3 + (0.0 if cls_name == "gemma3" else 1.0))
+    m.weight.requires_grad_(False)
+    return m
+
+
+def _tiny(family: str, dtype=torch.bfloat16, device="cpu"):
+    """A tiny random model of `family` (qwen3: Llama-form norms, q/k norms too; gemma3: Gemma's)."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    if family == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    else:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, sliding_window=8, query_pre_attn_scalar=16))
+        with torch.no_grad():  # Gemma's norm weights start at 0: give them a spread
+            for n, p in model.named_parameters():
+                if n.endswith("norm.weight"):
+                    p.normal_(0, 0.3)
+    return model.to(dtype=dtype, device=device).eval()
+
+
+def _loss_and_grad(model, ids):
+    """The scores' pass in small: loss and the input embeddings' gradient, weights frozen."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    logits = model(inputs_embeds=emb, use_cache=False).logits
+    loss = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).sum()
+    loss.backward()
+    return loss.detach(), emb.grad
+
+
+def _ulps_and_share(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(largest difference in units of b's dtype's eps·|b|, share of bit-identical elements)."""
+    af, bf = a.float(), b.float()
+    ulp = torch.finfo(b.dtype).eps * bf.abs() + torch.finfo(b.dtype).tiny
+    return float(((af - bf).abs() / ulp).max()), float((af == bf).float().mean())
+
+
+def test_norms_are_found_by_class_name_weight_and_eps():
+    assert NM._eps_of(_norm("qwen3", 8, torch.float32)) == 1e-6
+    assert NM._eps_of(_norm("gemma3", 8, torch.float32)) == 1e-6
+    assert NM._eps_of(nn.LayerNorm(8)) is None  # not an RMSNorm
+    assert NM._eps_of(nn.Linear(8, 8)) is None
+    odd = _norm("odd", 8, torch.float32)
+    del odd.variance_epsilon
+    assert NM._eps_of(odd) is None  # no ε it could use
+
+
+def test_agreement_rule():
+    """Fused only within two ulps everywhere and bit for bit on ≥ 99% of the elements."""
+    want = torch.linspace(0.5, 8, 1000).bfloat16()
+    assert NM._agrees(want.clone(), want)
+    one_off = want.clone()
+    one_off[:5] = (want[:5].float() * (1 + 2**-7)).bfloat16()  # 0.5%: one step each
+    assert NM._agrees(one_off, want)
+    many = want.clone()
+    many[:50] = (want[:50].float() * (1 + 2**-7)).bfloat16()  # 5%
+    assert not NM._agrees(many, want)
+    far = want.clone()
+    far[0] = want[0] * 1.05  # one element, several steps away
+    assert not NM._agrees(far, want)
+    assert not NM._agrees(want.half(), want) and not NM._agrees(want[:10], want)
+
+
+@pytest.mark.parametrize("flag", ["0", "1"])
+def test_nothing_is_swapped_where_the_kernels_do_not_run(flag, monkeypatch):
+    """On CPU tensors without the interpreter, or when not asked for, the model keeps its own norms."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("RESSERVE_FUSED_NORM", flag)
+    model = _tiny("qwen3")
+    with NM.fused_norms(model) as forms:
+        assert forms is None
+        assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def _interpreted_check() -> None:
+    """Run under ``TRITON_INTERPRET=1`` with ``RESSERVE_FUSED_NORM=1`` (set before Triton is first imported)."""
+    _kernel_cases("cpu")
+    _model_cases("cpu")
+
+
+def _kernel_cases(device: str) -> None:
+    """Each form against transformers' own norm: output and input gradient within two ulps and bit
+    for bit on ≥ 99% (on CPU they come out identical in bf16), rows of 128 and of 96 (masked lanes)."""
+    for name, form in (("qwen3", "llama"), ("gemma3", "gemma")):
+        for dtype in (torch.bfloat16, torch.float16):
+            for n in (128, 96):
+                m = _norm(name, n, dtype).to(device)
+                x = (torch.randn(37, n) * 3).to(dtype).to(device).requires_grad_(True)
+                want = m(x)
+                dy = torch.randn_like(want)
+                (gx_want,) = torch.autograd.grad(want, x, dy)
+                y = NM.fused_rms_norm(x, m.weight, m.variance_epsilon if name == "qwen3" else m.eps, form)
+                (gx,) = torch.autograd.grad(y, x, dy)
+                for got, ref in ((y, want), (gx, gx_want)):
+                    ulps, share = _ulps_and_share(got.detach(), ref.detach())
+                    assert got.dtype == ref.dtype and ulps <= 2 and share >= 0.99, (name, dtype, n, ulps, share)
+                # The other form is not this norm: the rule refuses it.
+                other = "gemma" if form == "llama" else "llama"
+                with torch.no_grad():
+                    assert not NM._agrees(NM.fused_rms_norm(x, m.weight, 1e-6, other), want.detach())
+    with pytest.raises(ValueError, match="unknown RMSNorm form"):
+        NM.fused_rms_norm(x, m.weight, 1e-6, "t5")
+
+
+def _model_cases(device: str) -> None:
+    """A whole tiny model under `fused_norms`: the right form per class, the loss and the input
+    gradient of the scores' pass as with the model's own norms, and the norms restored after."""
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
+    for family, cls_name, form in (("qwen3", "Qwen3RMSNorm", "llama"), ("gemma3", "Gemma3RMSNorm", "gemma")):
+        model = _tiny(family, device=device)
+        want = _loss_and_grad(model, ids)
+        with NM.fused_norms(model) as forms:
+            got = _loss_and_grad(model, ids)
+        assert {c.__name__: f for c, f in forms.items()} == {cls_name: form}
+        assert not any("forward" in m.__dict__ for m in model.modules())
+        assert math.isclose(float(got[0]), float(want[0]), rel_tol=1e-3)
+        ulps, share = _ulps_and_share(got[1], want[1])
+        assert share >= 0.9, (family, ulps, share)
+        torch.testing.assert_close(got[1].float(), want[1].float(), rtol=0.02, atol=1e-3 * float(want[1].float().abs().max()))
+    # A class that only looks like a norm keeps its own forward (and its output).
+    odd = nn.Sequential(_norm("odd", 64, torch.bfloat16)).to(device)
+    x = torch.randn(5, 64).bfloat16().to(device)
+    with NM.fused_norms(odd) as forms:
+        y = odd(x)
+    assert forms == {OddRMSNorm: None} and torch.equal(y, odd(x))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter check is for machines without a GPU (the GPU test runs the real kernels)")
+def test_fused_norm_kernels_logic_under_the_triton_interpreter():
+    """The kernels and the swap on CPU tensors, in a fresh interpreter with ``TRITON_INTERPRET=1``.
+    Skipped where Triton is not installed (CPU-only torch does not bring it)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", RESSERVE_FUSED_NORM="1")
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import test_norm; test_norm._interpreted_check()"
+    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+triton_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or not NM.available(torch.device("cuda")), reason="needs a CUDA GPU and Triton"
+)
+
+
+@pytest.mark.gpu
+@triton_gpu
+def test_gpu_fused_norms_give_the_eager_norms(monkeypatch):
+    """On CUDA: each form against transformers' norms, and whole tiny models under `fused_norms`."""
+    monkeypatch.setenv("RESSERVE_FUSED_NORM", "1")
+    _kernel_cases("cuda")
+    _model_cases("cuda")
+
+
+@pytest.mark.gpu
+@triton_gpu
+def test_gpu_fused_norms_give_the_eager_scores(monkeypatch):
+    """compute_scores on a tiny bf16 Qwen3 on a GPU with the RMSNorms fused and eager: within 2e-4
+    relative (the stated tolerance of the bf16 scores)."""
+    from resserve_export.algorithms import scores as S
+    from resserve_export.modeling.groups import group_linears, linears_of
+    from resserve_export.observers.stats import collect
+
+    model = _tiny("qwen3", device="cuda")
+    g = torch.Generator().manual_seed(2)
+    batches = [{"input_ids": torch.randint(0, 128, (3, 16), generator=g).cuda(), "attention_mask": torch.ones(3, 16, dtype=torch.long).cuda()} for _ in range(2)]
+    groups = group_linears(linears_of(model))
+    stats, _ = collect(model, batches, groups)
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("RESSERVE_FUSED_NORM", flag)
+        runs[flag] = S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision="bf16")
+    for a, e in zip(runs["1"]["groups"], runs["0"]["groups"]):
+        for k, v in e["scores"].items():
+            assert v > 0 and math.isclose(a["scores"][k], v, rel_tol=2e-4), (a["modules"], k)
