@@ -5,7 +5,8 @@ The score samples' input of every layer is kept during the layer passes; the los
 taken at the final hidden states through the model's own tail (`_loss_gradients`); then layers,
 last to first, are recomputed with autograd from their stored inputs and fed the incoming
 gradient, with the same candidate hooks as the whole-model backward pass
-(`algorithms.scores.grad.score_hooks`), adding per group in the same batch order. Stated
+(`algorithms.scores.grad.score_hooks`) and the same RMSNorms (`algorithms.scores.norm`), adding
+per group in the same batch order. Stated
 tolerance against the whole-model scores: 1e-6 relative (the tests see them equal bit for bit).
 """
 
@@ -20,6 +21,7 @@ from resserve_export.algorithms.scores import scores_record
 from resserve_export.algorithms.scores.candidates import Candidates
 from resserve_export.algorithms.scores.grad import ScoreSums, score_hooks
 from resserve_export.algorithms.scores.loss import next_token_loss
+from resserve_export.algorithms.scores.norm import fused_norms
 from resserve_export.algorithms.scores.precision import resolve_precision
 from resserve_export.formats.mxfp4 import ScaleRounding
 from resserve_export.stages.calibrate.shell import LayerReader, Shell, release_host_memory, replaced, unload
@@ -67,7 +69,7 @@ def _loss_gradients(shell: Shell, sb: list[dict], final) -> tuple[list[torch.Ten
         p_.requires_grad_(False)
     grads, tokens = [], 0
     inj = _Injector()
-    with replaced(layers, [inj] + [_Identity() for _ in range(len(layers) - 1)]):
+    with replaced(layers, [inj] + [_Identity() for _ in range(len(layers) - 1)]), fused_norms(model):
         for bi, b in enumerate(sb):
             ids, mask = b["input_ids"], b["attention_mask"]
             inj.h = final.get(bi).detach().requires_grad_(True)
@@ -126,16 +128,17 @@ def _layer_backward(shell: Shell, li: int, sb, inputs, kwargs, grads: list, grou
     cands = {g.modules: Candidates(model, g, stats, spec.ratios, spec.fmt, ScaleRounding(spec.rounding), spec.base_weights) for g in mine}
     hooks, scorers = score_hooks(model, mine, cands, spec.ratios, fast, sums.add)
     try:
-        for bi in range(len(sb)):
-            x = inputs.get(bi).detach().requires_grad_(True)
-            out = layer(x, **kwargs[bi])
-            out = out[0] if isinstance(out, tuple) else out
-            out.backward(grads[bi])
-            for scorer in scorers:
-                scorer.flush()
-            grads[bi] = x.grad.detach()
-            if progress is not None:
-                progress(li, bi, len(sb))
+        with fused_norms(layer):  # as the whole-model pass runs them (`algorithms.scores.norm`)
+            for bi in range(len(sb)):
+                x = inputs.get(bi).detach().requires_grad_(True)
+                out = layer(x, **kwargs[bi])
+                out = out[0] if isinstance(out, tuple) else out
+                out.backward(grads[bi])
+                for scorer in scorers:
+                    scorer.flush()
+                grads[bi] = x.grad.detach()
+                if progress is not None:
+                    progress(li, bi, len(sb))
     finally:
         for h in hooks:
             h.remove()
