@@ -88,13 +88,14 @@ def forward_backward(model, batches) -> None:
     """The floor of any grad method: forward + backward of the scores' loss (summed next-token
     cross-entropy over valid targets, `scores.loss`), input gradients only, no score hooks."""
     from resserve_export.algorithms.scores.loss import next_token_loss
+    from resserve_export.algorithms.scores.mlp import fused_mlps
     from resserve_export.algorithms.scores.norm import fused_norms
 
     flags = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in flags:
         p.requires_grad_(False)
     try:
-        with fused_norms(model):  # as the grad scores run them (fused with RESSERVE_FUSED_NORM=1)
+        with fused_norms(model), fused_mlps(model):  # as the grad scores run them (RESSERVE_FUSED_NORM/_MLP=1)
             for b in batches:
                 ids, mask = b["input_ids"], b["attention_mask"]
                 emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
@@ -288,8 +289,12 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
         t_floor_norm, _ = timed(fwd_bwd)
         peaks["norm"] = peak(fwd_bwd)
         grad["fused-norm"], runs["fused-norm"] = timed(scored("bf16"))
-    both = {"RESSERVE_FUSED_LOSS": "1", "RESSERVE_FUSED_NORM": "1"}
+    with mock.patch.dict(os.environ, {"RESSERVE_FUSED_MLP": "1"}):
+        t_floor_mlp, _ = timed(fwd_bwd)
+        grad["fused-mlp"], runs["fused-mlp"] = timed(scored("bf16"))
+    both = {"RESSERVE_FUSED_LOSS": "1", "RESSERVE_FUSED_NORM": "1", "RESSERVE_FUSED_MLP": "1"}
     with mock.patch.dict(os.environ, both):
+        peaks["all"] = peak(fwd_bwd)
         t_floor_both, _ = timed(fwd_bwd)
         grad["fused-both"], runs["fused-both"] = timed(scored("bf16"))
         grad["scratch-both"], runs["scratch-both"] = timed(lambda: S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision="bf16"))
@@ -338,28 +343,30 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
         f"| forward + backward of the loss alone, no score hooks | {t_floor:.3f} | {t_floor / t_calib:.2f} |",
         f"| the same with the fused loss (`RESSERVE_FUSED_LOSS=1`) | {t_floor_fused:.3f} | {t_floor_fused / t_calib:.2f} |",
         f"| the same with the fused RMSNorms (`RESSERVE_FUSED_NORM=1`) | {t_floor_norm:.3f} | {t_floor_norm / t_calib:.2f} |",
-        f"| the same with both | {t_floor_both:.3f} | {t_floor_both / t_calib:.2f} |",
+        f"| the same with the fused MLP activations (`RESSERVE_FUSED_MLP=1`) | {t_floor_mlp:.3f} | {t_floor_mlp / t_calib:.2f} |",
+        f"| the same with all three | {t_floor_both:.3f} | {t_floor_both / t_calib:.2f} |",
         f"| **grad scores, `precision=bf16` (the default for bf16 models)** | {grad['bf16']:.3f} | **{grad['bf16'] / t_calib:.2f}** |",
         f"| grad scores, bf16, scored inside the gradient hooks{' (the default)' if default == 'hooks' else ''} | {grad['hooks']:.3f} | {grad['hooks'] / t_calib:.2f} |",
         f"| grad scores, bf16, on the scoring thread{' (the default)' if default == 'thread' else ''} | {grad['thread']:.3f} | {grad['thread'] / t_calib:.2f} |",
         f"| grad scores, bf16, with the fused loss (`RESSERVE_FUSED_LOSS=1`) | {grad['fused-loss']:.3f} | {grad['fused-loss'] / t_calib:.2f} |",
         f"| grad scores, bf16, with the fused RMSNorms (`RESSERVE_FUSED_NORM=1`) | {grad['fused-norm']:.3f} | {grad['fused-norm'] / t_calib:.2f} |",
-        f"| grad scores, bf16, with both | {grad['fused-both']:.3f} | {grad['fused-both'] / t_calib:.2f} |",
+        f"| grad scores, bf16, with the fused MLP activations (`RESSERVE_FUSED_MLP=1`) | {grad['fused-mlp']:.3f} | {grad['fused-mlp'] / t_calib:.2f} |",
+        f"| grad scores, bf16, with all three | {grad['fused-both']:.3f} | {grad['fused-both'] / t_calib:.2f} |",
         f"| grad scores, bf16, eager reductions and operands (no Triton kernels) | {grad['eager']:.3f} | {grad['eager'] / t_calib:.2f} |",
         f"| grad scores, `precision=fp32` (FP32 emulation) | {grad['fp32']:.3f} | {grad['fp32'] / t_calib:.2f} |",
         f"| one-off weight quantization of every candidate, bf16 weight operands included | {t_build:.3f} | {t_build / t_calib:.2f} |",
         f"| **grad scores + one-off quantization, timed apart** | {grad['bf16'] + t_build:.3f} | **{(grad['bf16'] + t_build) / t_calib:.2f}** |",
         f"| **grad scores from scratch** (`compute_scores` building its own candidates, what `calibrate` runs), inside the hooks{', candidates built ahead (`pool.build_ahead`, the default here)' if ahead else ''} | {grad['scratch-hooks']:.3f} | **{grad['scratch-hooks'] / t_calib:.2f}** |",
         f"| grad scores from scratch, every candidate built before the first batch (`RESSERVE_BUILD_AHEAD=0`) | {grad['scratch-first']:.3f} | {grad['scratch-first'] / t_calib:.2f} |",
-        f"| **grad scores from scratch with the fused loss and RMSNorms**{' (candidates built ahead)' if ahead else ''} | {grad['scratch-both']:.3f} | **{grad['scratch-both'] / t_calib:.2f}** |",
+        f"| **grad scores from scratch with the fused loss, RMSNorms and MLP activations**{' (candidates built ahead)' if ahead else ''} | {grad['scratch-both']:.3f} | **{grad['scratch-both'] / t_calib:.2f}** |",
         f"| grad scores from scratch, on the scoring thread{' (candidates built ahead)' if ahead else ' (candidates built there on first use)'} | {grad['scratch-thread']:.3f} | {grad['scratch-thread'] / t_calib:.2f} |",
         "",
-        f"Peak GPU memory of the forward + backward: {peaks['eager']:.2f} GiB with the eager loss and norms, {peaks['fused']:.2f} GiB with the fused loss, {peaks['norm']:.2f} GiB with the fused norms.",
+        f"Peak GPU memory of the forward + backward: {peaks['eager']:.2f} GiB with the eager loss and norms, {peaks['fused']:.2f} GiB with the fused loss, {peaks['norm']:.2f} GiB with the fused norms, {peaks['all']:.2f} GiB with all three.",
         "",
         f"Triton kernels {'used' if kernels else 'NOT available (the bf16 rows ran eagerly)'}. Largest relative difference over "
         f"{len(groups) * len(RATIOS)} (group, ratio) scores against the eager bf16 path: {moved(runs['bf16'], runs['eager']):.2e} "
         "(stated tolerance 2e-4: the same FP32 products summed in another order); with the fused loss: "
-        f"{moved(runs['bf16'], runs['fused-loss']):.2e}; with the fused norms: {moved(runs['bf16'], runs['fused-norm']):.2e}; with both: "
+        f"{moved(runs['bf16'], runs['fused-loss']):.2e}; with the fused norms: {moved(runs['bf16'], runs['fused-norm']):.2e}; with the fused MLPs: {moved(runs['bf16'], runs['fused-mlp']):.2e}; with all three: "
         f"{max(moved(runs['bf16'], runs[k]) for k in ('fused-both', 'scratch-both')):.2e}; between the hooks and the thread: "
         f"{moved(runs['hooks'], runs['thread']):.2e}, and from scratch: {max(moved(runs['bf16'], runs[k]) for k in ('scratch-hooks', 'scratch-thread', 'scratch-first')):.2e} "
         f"(the same operations), against {moved(runs['bf16'], runs['hooks']):.2e} between two runs of the same setting "

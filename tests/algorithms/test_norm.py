@@ -89,17 +89,17 @@ def test_norms_are_found_by_class_name_weight_and_eps():
 def test_agreement_rule():
     """Fused only within two ulps everywhere and bit for bit on ≥ 99% of the elements."""
     want = torch.linspace(0.5, 8, 1000).bfloat16()
-    assert NM._agrees(want.clone(), want)
+    assert NM.agrees(want.clone(), want)
     one_off = want.clone()
     one_off[:5] = (want[:5].float() * (1 + 2**-7)).bfloat16()  # 0.5%: one step each
-    assert NM._agrees(one_off, want)
+    assert NM.agrees(one_off, want)
     many = want.clone()
     many[:50] = (want[:50].float() * (1 + 2**-7)).bfloat16()  # 5%
-    assert not NM._agrees(many, want)
+    assert not NM.agrees(many, want)
     far = want.clone()
     far[0] = want[0] * 1.05  # one element, several steps away
-    assert not NM._agrees(far, want)
-    assert not NM._agrees(want.half(), want) and not NM._agrees(want[:10], want)
+    assert not NM.agrees(far, want)
+    assert not NM.agrees(want.half(), want) and not NM.agrees(want[:10], want)
 
 
 @pytest.mark.parametrize("flag", ["0", "1"])
@@ -138,7 +138,7 @@ def _kernel_cases(device: str) -> None:
                 # The other form is not this norm: the rule refuses it.
                 other = "gemma" if form == "llama" else "llama"
                 with torch.no_grad():
-                    assert not NM._agrees(NM.fused_rms_norm(x, m.weight, 1e-6, other), want.detach())
+                    assert not NM.agrees(NM.fused_rms_norm(x, m.weight, 1e-6, other), want.detach())
     with pytest.raises(ValueError, match="unknown RMSNorm form"):
         NM.fused_rms_norm(x, m.weight, 1e-6, "t5")
 

@@ -26,6 +26,8 @@ One concept per module:
   each layout;
 - `device`: what the device's GEMMs can do (``/proc/cpuinfo`` bf16 features, FP32-output GEMMs);
 - `kl`, `grad`: the two methods (`kl` also has `evaluate_kl(s)`, a whole plan's KL);
+- `loss`, `norm`, `mlp`: the grad scores' next-token loss, and its passes' RMSNorms and gated-MLP
+  activations, each with a fused Triton pair (forward, backward) for CUDA;
 - `worker`: the grad scores' own host thread (`ScoringThread`, opt-in), which launches the
   candidate products while the backward pass goes on;
 - `batches`: the scored sequences on the model's device and the mask of tokens that count;

@@ -8,7 +8,8 @@ group's stacked members). Weight gradients are never computed. With ``RESSERVE_S
 the hooks only hand each group over, and a thread of its own launches the candidate products
 (`worker`), so the backward keeps launching meanwhile. The loss is `loss.next_token_loss` (two
 fused kernels on CUDA with ``RESSERVE_FUSED_LOSS=1``); the model's RMSNorms run as two fused
-kernels with ``RESSERVE_FUSED_NORM=1`` (`norm.fused_norms`). The candidate products run in
+kernels with ``RESSERVE_FUSED_NORM=1`` (`norm.fused_norms`), and gated MLPs' SiLU · up with
+``RESSERVE_FUSED_MLP=1`` (`mlp.fused_mlps`). The candidate products run in
 FP32 (the emulated linear's own arithmetic, `Candidates.member_outputs`) or as bf16 GEMMs on the
 same FP4 operands (`Candidates.prepare_fast` / `group_sums_fast`, see `bf16`), as
 `precision.resolve_precision` chose. Padded targets are ignored by the loss, so their ∂L/∂Y is
@@ -21,6 +22,7 @@ import torch
 
 from resserve_export.algorithms.scores import worker as W
 from resserve_export.algorithms.scores.loss import next_token_loss
+from resserve_export.algorithms.scores.mlp import fused_mlps
 from resserve_export.algorithms.scores.norm import fused_norms
 
 
@@ -163,7 +165,7 @@ def grad_scores(model, batches, groups, cands, ratios, step, precision: str = "f
     embed = model.get_input_embeddings()
     worker = W.ScoringThread(embed.weight.device) if W.wanted() else None
     try:
-        with fused_norms(model):
+        with fused_norms(model), fused_mlps(model):  # entered before the score hooks (`mlp`)
             _passes(model, batches, groups, cands, ratios, step, fast, sums, worker)
         if worker is not None:
             worker.close()  # waits for the last groups; raises a scoring error

@@ -188,8 +188,10 @@ def _covered(x: torch.Tensor, w: torch.Tensor, form: str) -> bool:
     return x.dtype in _KIND and x.shape[-1] == w.shape[0] and (form == "gemma" or w.dtype == x.dtype)
 
 
-def _agrees(y: torch.Tensor, want: torch.Tensor) -> bool:
-    """Within `_MAX_ULPS` units in the last place everywhere and bit for bit on `_MIN_IDENTICAL`."""
+def agrees(y: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether a fused kernel's `y` stands for the eager `want`: the same shape and dtype, within
+    `_MAX_ULPS` units in the last place everywhere and bit for bit on `_MIN_IDENTICAL` of the
+    elements (also `mlp`'s rule)."""
     if y.shape != want.shape or y.dtype != want.dtype:
         return False
     a, b = y.float(), want.float()
@@ -224,7 +226,7 @@ def fused_norms(model: nn.Module):
             if cls not in forms:
                 with torch.no_grad():
                     want = own(x)
-                    forms[cls] = next((f for f in _FORMS if _covered(x, mod.weight, f) and _agrees(fused_rms_norm(x, mod.weight, eps, f), want)), None)
+                    forms[cls] = next((f for f in _FORMS if _covered(x, mod.weight, f) and agrees(fused_rms_norm(x, mod.weight, eps, f), want)), None)
             form = forms[cls]
             if form is None or not _covered(x, mod.weight, form):
                 return own(x)

@@ -5,7 +5,7 @@ The score samples' input of every layer is kept during the layer passes; the los
 taken at the final hidden states through the model's own tail (`_loss_gradients`); then layers,
 last to first, are recomputed with autograd from their stored inputs and fed the incoming
 gradient, with the same candidate hooks as the whole-model backward pass
-(`algorithms.scores.grad.score_hooks`) and the same RMSNorms (`algorithms.scores.norm`), adding
+(`algorithms.scores.grad.score_hooks`) and the same RMSNorms and MLP activations (`algorithms.scores.norm`, `.mlp`), adding
 per group in the same batch order. Stated
 tolerance against the whole-model scores: 1e-6 relative (the tests see them equal bit for bit).
 """
@@ -21,6 +21,7 @@ from resserve_export.algorithms.scores import scores_record
 from resserve_export.algorithms.scores.candidates import Candidates
 from resserve_export.algorithms.scores.grad import ScoreSums, score_hooks
 from resserve_export.algorithms.scores.loss import next_token_loss
+from resserve_export.algorithms.scores.mlp import fused_mlps
 from resserve_export.algorithms.scores.norm import fused_norms
 from resserve_export.algorithms.scores.precision import resolve_precision
 from resserve_export.formats.mxfp4 import ScaleRounding
@@ -126,9 +127,11 @@ def _layer_backward(shell: Shell, li: int, sb, inputs, kwargs, grads: list, grou
         p_.requires_grad_(False)
     mine = [g for g in groups if g.modules[0].startswith(f"{shell.prefix}.{li}.")]
     cands = {g.modules: Candidates(model, g, stats, spec.ratios, spec.fmt, ScaleRounding(spec.rounding), spec.base_weights) for g in mine}
-    hooks, scorers = score_hooks(model, mine, cands, spec.ratios, fast, sums.add)
-    try:
-        with fused_norms(layer):  # as the whole-model pass runs them (`algorithms.scores.norm`)
+    # The same RMSNorms and MLP activations as the whole-model pass (`algorithms.scores.norm`,
+    # `.mlp`), entered before the score hooks.
+    with fused_norms(layer), fused_mlps(layer):
+        hooks, scorers = score_hooks(model, mine, cands, spec.ratios, fast, sums.add)
+        try:
             for bi in range(len(sb)):
                 x = inputs.get(bi).detach().requires_grad_(True)
                 out = layer(x, **kwargs[bi])
@@ -139,9 +142,9 @@ def _layer_backward(shell: Shell, li: int, sb, inputs, kwargs, grads: list, grou
                 grads[bi] = x.grad.detach()
                 if progress is not None:
                     progress(li, bi, len(sb))
-    finally:
-        for h in hooks:
-            h.remove()
+        finally:
+            for h in hooks:
+                h.remove()
     del cands
 
 
