@@ -292,7 +292,7 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
     with mock.patch.dict(os.environ, {"RESSERVE_FUSED_MLP": "1"}):
         t_floor_mlp, _ = timed(fwd_bwd)
         grad["fused-mlp"], runs["fused-mlp"] = timed(scored("bf16"))
-    both = {"RESSERVE_FUSED_LOSS": "1", "RESSERVE_FUSED_NORM": "1", "RESSERVE_FUSED_MLP": "1"}
+    both = {"RESSERVE_FUSED_LOSS": "1", "RESSERVE_FUSED_NORM": "1", "RESSERVE_FUSED_MLP": "1", "RESSERVE_BUILD_AHEAD": "1"}
     with mock.patch.dict(os.environ, both):
         peaks["all"] = peak(fwd_bwd)
         t_floor_both, _ = timed(fwd_bwd)
@@ -311,13 +311,10 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
     for flag, tag in (("0", "hooks"), ("1", "thread")):
         grad[tag], runs[tag] = with_thread(flag, scored("bf16"))
         grad[f"scratch-{tag}"], runs[f"scratch-{tag}"] = with_thread(flag, scratch)
-    # From scratch with every candidate built before the first batch (the CPU default) instead
-    # of ahead on a thread of their own while the first batch runs (`pool.build_ahead`, on GPUs).
-    with mock.patch.dict(os.environ, {"RESSERVE_BUILD_AHEAD": "0"}):
-        grad["scratch-first"], runs["scratch-first"] = with_thread("0", scratch)
-    from resserve_export.algorithms.scores import build_ahead_wanted
-
-    ahead = build_ahead_wanted(torch.device(dev))
+    # From scratch with the candidates built ahead on a thread of their own while the first batch
+    # runs (`pool.build_ahead`, RESSERVE_BUILD_AHEAD=1) instead of all before the first batch.
+    with mock.patch.dict(os.environ, {"RESSERVE_BUILD_AHEAD": "1"}):
+        grad["scratch-ahead"], runs["scratch-ahead"] = with_thread("0", scratch)
     default = "thread" if wanted() else "hooks"
 
     def moved(a, b):
@@ -356,10 +353,10 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
         f"| grad scores, `precision=fp32` (FP32 emulation) | {grad['fp32']:.3f} | {grad['fp32'] / t_calib:.2f} |",
         f"| one-off weight quantization of every candidate, bf16 weight operands included | {t_build:.3f} | {t_build / t_calib:.2f} |",
         f"| **grad scores + one-off quantization, timed apart** | {grad['bf16'] + t_build:.3f} | **{(grad['bf16'] + t_build) / t_calib:.2f}** |",
-        f"| **grad scores from scratch** (`compute_scores` building its own candidates, what `calibrate` runs), inside the hooks{', candidates built ahead (`pool.build_ahead`, the default here)' if ahead else ''} | {grad['scratch-hooks']:.3f} | **{grad['scratch-hooks'] / t_calib:.2f}** |",
-        f"| grad scores from scratch, every candidate built before the first batch (`RESSERVE_BUILD_AHEAD=0`) | {grad['scratch-first']:.3f} | {grad['scratch-first'] / t_calib:.2f} |",
-        f"| **grad scores from scratch with the fused loss, RMSNorms and MLP activations**{' (candidates built ahead)' if ahead else ''} | {grad['scratch-both']:.3f} | **{grad['scratch-both'] / t_calib:.2f}** |",
-        f"| grad scores from scratch, on the scoring thread{' (candidates built ahead)' if ahead else ' (candidates built there on first use)'} | {grad['scratch-thread']:.3f} | {grad['scratch-thread'] / t_calib:.2f} |",
+        f"| **grad scores from scratch** (`compute_scores` building its own candidates before the first batch, what `calibrate` runs), inside the hooks | {grad['scratch-hooks']:.3f} | **{grad['scratch-hooks'] / t_calib:.2f}** |",
+        f"| grad scores from scratch, candidates built ahead on their own thread (`RESSERVE_BUILD_AHEAD=1`) | {grad['scratch-ahead']:.3f} | {grad['scratch-ahead'] / t_calib:.2f} |",
+        f"| **grad scores from scratch, candidates built ahead, fused loss, RMSNorms and MLP activations** (all four opt-ins) | {grad['scratch-both']:.3f} | **{grad['scratch-both'] / t_calib:.2f}** |",
+        f"| grad scores from scratch, on the scoring thread (candidates built there on first use) | {grad['scratch-thread']:.3f} | {grad['scratch-thread'] / t_calib:.2f} |",
         "",
         f"Peak GPU memory of the forward + backward: {peaks['eager']:.2f} GiB with the eager loss and norms, {peaks['fused']:.2f} GiB with the fused loss, {peaks['norm']:.2f} GiB with the fused norms, {peaks['all']:.2f} GiB with all three.",
         "",
@@ -368,7 +365,7 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
         "(stated tolerance 2e-4: the same FP32 products summed in another order); with the fused loss: "
         f"{moved(runs['bf16'], runs['fused-loss']):.2e}; with the fused norms: {moved(runs['bf16'], runs['fused-norm']):.2e}; with the fused MLPs: {moved(runs['bf16'], runs['fused-mlp']):.2e}; with all three: "
         f"{max(moved(runs['bf16'], runs[k]) for k in ('fused-both', 'scratch-both')):.2e}; between the hooks and the thread: "
-        f"{moved(runs['hooks'], runs['thread']):.2e}, and from scratch: {max(moved(runs['bf16'], runs[k]) for k in ('scratch-hooks', 'scratch-thread', 'scratch-first')):.2e} "
+        f"{moved(runs['hooks'], runs['thread']):.2e}, and from scratch: {max(moved(runs['bf16'], runs[k]) for k in ('scratch-hooks', 'scratch-thread', 'scratch-ahead')):.2e} "
         f"(the same operations), against {moved(runs['bf16'], runs['hooks']):.2e} between two runs of the same setting "
         "(on a GPU the model's backward is not deterministic, so two runs differ; on a CPU all three are 0).",
     ]

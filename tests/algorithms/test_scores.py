@@ -863,8 +863,8 @@ def _same_candidates(a, b) -> None:
 
 @pytest.mark.parametrize("precision,thread", [("bf16", "0"), ("fp32", "0"), ("bf16", "1")])
 def test_candidates_built_ahead_give_the_same_scores(tiny_bf16, precision, thread, monkeypatch):
-    """Candidates built ahead on a thread of their own (`CandidatePool.build_ahead`, the GPU
-    default) give the scores of candidates built before the first batch, bit for bit (with the
+    """Candidates built ahead on a thread of their own (`CandidatePool.build_ahead`, opt-in) give
+    the scores of candidates built before the first batch, bit for bit (with the
     scoring thread too); every group is built once, and the thread has ended on return."""
     import threading
 
@@ -926,13 +926,11 @@ def test_build_ahead_error_reaches_the_caller(tiny_bf16, monkeypatch):
     assert not any(t.name == "resserve-candidates" for t in threading.enumerate())
 
 
-def test_build_ahead_is_on_for_gpus_only(monkeypatch):
+def test_build_ahead_is_opt_in(monkeypatch):
     monkeypatch.delenv("RESSERVE_BUILD_AHEAD", raising=False)
-    assert S.build_ahead_wanted(torch.device("cuda", 0)) and not S.build_ahead_wanted(torch.device("cpu"))
-    monkeypatch.setenv("RESSERVE_BUILD_AHEAD", "0")
-    assert not S.build_ahead_wanted(torch.device("cuda", 0))
+    assert not S.build_ahead_wanted(torch.device("cuda", 0)) and not S.build_ahead_wanted(torch.device("cpu"))
     monkeypatch.setenv("RESSERVE_BUILD_AHEAD", "1")
-    assert S.build_ahead_wanted(torch.device("cpu"))
+    assert S.build_ahead_wanted(torch.device("cpu")) and S.build_ahead_wanted(torch.device("cuda", 0))
 
 
 @pytest.mark.gpu

@@ -139,8 +139,8 @@ def compute_scores(
                 bpw = bytes_per_weight_of(method, precision, device_of(model), dtype)
                 pool = candidates = CandidatePool(model, groups, stats, ratios, fmt, rounding, budget, bpw, base_weights)
                 # The grad hooks visit the groups last layer first: keep those that fit from there,
-                # built ahead on a thread of their own where `build_ahead_wanted` (a GPU), else
-                # before the first batch, or, with a scoring thread, there on first use (`worker`).
+                # built ahead on a thread of their own where `build_ahead_wanted`, else before the
+                # first batch, or, with a scoring thread, there on first use (`worker`).
                 order = [g.modules for g in (reversed(groups) if method == "grad" else groups)]
                 if method == "grad" and build_ahead_wanted(device_of(model)):
                     pool.build_ahead(order, wprog, _operands(precision, dtype, device_of(model)))
@@ -161,12 +161,10 @@ def compute_scores(
 
 def build_ahead_wanted(device: torch.device) -> bool:
     """Whether the grad scores build their candidates ahead, on a thread of their own
-    (`CandidatePool.build_ahead`): on GPUs, where building is host work that the model's passes
-    leave room for. ``RESSERVE_BUILD_AHEAD=0`` turns it off, ``1`` on on any device."""
-    flag = os.environ.get("RESSERVE_BUILD_AHEAD", "")
-    if flag in ("0", "1"):
-        return flag == "1"
-    return torch.device(device).type == "cuda"
+    (`CandidatePool.build_ahead`): meant for GPUs, where building is host work that the model's
+    passes leave room for. Opt-in (``RESSERVE_BUILD_AHEAD=1``, on any device) until it has been
+    measured on a GPU."""
+    return os.environ.get("RESSERVE_BUILD_AHEAD", "") == "1"
 
 
 def _operands(precision: str, dtype: torch.dtype, device: torch.device):

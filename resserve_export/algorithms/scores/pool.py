@@ -6,7 +6,8 @@ budget (`default_budget`: half the memory free on the device) and rebuilds the o
 batch. Candidates are deterministic, so the scores are the same bits either way. The bytes a
 group takes per weight depend on the precision and layout (`precision.bytes_per_weight_of`).
 
-On a GPU the grad scores build the groups that fit ahead of their use (`CandidatePool.build_ahead`):
+With ``RESSERVE_BUILD_AHEAD=1`` (opt-in until measured on a GPU, for which it is meant) the grad
+scores build the groups that fit ahead of their use (`CandidatePool.build_ahead`):
 a thread of its own builds them on a CUDA stream of its own, last layer first (the order the
 backward pass asks for them), while the first batch's forward and backward run, instead of all
 of them before the first batch. Building a group is mostly host work (about 2 ms a group, a
