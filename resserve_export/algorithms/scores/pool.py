@@ -104,7 +104,6 @@ class CandidatePool:
                 progress(k + 1, len(order))
 
 
-
 class _Ahead:
     """The thread of `CandidatePool.build_ahead`: builds `keys` in order, on the pool's device
     with a CUDA stream of its own (a host sync in a build then waits for the builds only, not for
