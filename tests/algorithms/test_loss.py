@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from resserve_export.algorithms.scores import loss as L
+from tests.fixtures.triton import gpu_kernels, no_gpu, run_interpreted
 
 
 def _case(dtype, B=3, S=9, V=5000, seed=0, device="cpu"):
@@ -94,27 +95,16 @@ def _interpreted_check() -> None:
             assert torch.equal(L.next_token_loss(logits, ids, mask)[0], want)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter check is for machines without a GPU (the GPU test runs the real kernels)")
+@no_gpu
 def test_fused_kernels_logic_under_the_triton_interpreter():
     """The kernels' logic on CPU tensors, in a fresh interpreter with ``TRITON_INTERPRET=1``: the
     loss and its gradient as the eager function gives them. The interpreter truncates FP32 to bf16
     where the GPU rounds to nearest, so bf16 gradients are checked to one bf16 step here; the GPU
     test is stricter. Skipped where Triton is not installed (CPU-only torch does not bring it)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "import sys; sys.path.insert(0, sys.argv[1]); import test_loss; test_loss._interpreted_check()"
-    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_interpreted("tests.algorithms.test_loss", timeout=300)
 
 
-triton_gpu = pytest.mark.skipif(
-    not torch.cuda.is_available() or not L.available(torch.device("cuda")), reason="needs a CUDA GPU and Triton"
-)
+triton_gpu = gpu_kernels(L.available)
 
 
 @pytest.mark.gpu

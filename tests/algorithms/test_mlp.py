@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from resserve_export.algorithms.scores import mlp as ML
-from tests.algorithms.test_norm import _loss_and_grad, _tiny, _ulps_and_share
+from tests.algorithms.test_norm import _loss_and_grad, _tiny, _ulps_and_share, assert_fused_scores_as_eager
+from tests.fixtures.triton import gpu_kernels, no_gpu, run_interpreted
 
 
 class GeluMLP(nn.Module):
@@ -84,25 +85,14 @@ def _model_cases(device: str) -> None:
         assert fused == {GeluMLP: False} and "forward" not in gelu[0].__dict__
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter check is for machines without a GPU (the GPU test runs the real kernels)")
+@no_gpu
 def test_fused_mlp_kernels_logic_under_the_triton_interpreter():
     """The kernels and the swap on CPU tensors, in a fresh interpreter with ``TRITON_INTERPRET=1``.
     Skipped where Triton is not installed (CPU-only torch does not bring it)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", RESSERVE_FUSED_MLP="1")
-    code = "import sys; sys.path.insert(0, sys.argv[1]); from tests.algorithms import test_mlp; test_mlp._interpreted_check()"
-    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parents[2])], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_interpreted("tests.algorithms.test_mlp", RESSERVE_FUSED_MLP="1")
 
 
-triton_gpu = pytest.mark.skipif(
-    not torch.cuda.is_available() or not ML.available(torch.device("cuda")), reason="needs a CUDA GPU and Triton"
-)
+triton_gpu = gpu_kernels(ML.available)
 
 
 @pytest.mark.gpu
@@ -116,22 +106,6 @@ def test_gpu_fused_mlps_give_the_eager_activation(monkeypatch):
 @pytest.mark.gpu
 @triton_gpu
 def test_gpu_fused_passes_give_the_eager_scores(monkeypatch):
-    """compute_scores on a tiny bf16 Qwen3 on a GPU with the MLP activations, the RMSNorms and the
-    loss fused, and all eager: within 2e-4 relative (the stated tolerance of the bf16 scores)."""
-    from resserve_export.algorithms import scores as S
-    from resserve_export.modeling.groups import group_linears, linears_of
-    from resserve_export.observers.stats import collect
-
-    model = _tiny("qwen3", device="cuda")
-    g = torch.Generator().manual_seed(2)
-    batches = [{"input_ids": torch.randint(0, 128, (3, 16), generator=g).cuda(), "attention_mask": torch.ones(3, 16, dtype=torch.long).cuda()} for _ in range(2)]
-    groups = group_linears(linears_of(model))
-    stats, _ = collect(model, batches, groups)
-    runs = {}
-    for flag in ("0", "1"):
-        for name in ("RESSERVE_FUSED_MLP", "RESSERVE_FUSED_NORM", "RESSERVE_FUSED_LOSS"):
-            monkeypatch.setenv(name, flag)
-        runs[flag] = S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision="bf16")
-    for a, e in zip(runs["1"]["groups"], runs["0"]["groups"]):
-        for k, v in e["scores"].items():
-            assert v > 0 and math.isclose(a["scores"][k], v, rel_tol=2e-4), (a["modules"], k)
+    """The scores with the MLP activations, the RMSNorms and the loss fused, and all eager
+    (`test_norm.assert_fused_scores_as_eager`: within 2e-4 relative)."""
+    assert_fused_scores_as_eager(monkeypatch, ["RESSERVE_FUSED_MLP", "RESSERVE_FUSED_NORM", "RESSERVE_FUSED_LOSS"])

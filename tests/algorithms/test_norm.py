@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from resserve_export.algorithms.scores import norm as NM
+from tests.fixtures.triton import gpu_kernels, no_gpu, run_interpreted
 
 
 class OddRMSNorm(nn.Module):
@@ -166,25 +167,14 @@ def _model_cases(device: str) -> None:
     assert forms == {OddRMSNorm: None} and torch.equal(y, odd(x))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter check is for machines without a GPU (the GPU test runs the real kernels)")
+@no_gpu
 def test_fused_norm_kernels_logic_under_the_triton_interpreter():
     """The kernels and the swap on CPU tensors, in a fresh interpreter with ``TRITON_INTERPRET=1``.
     Skipped where Triton is not installed (CPU-only torch does not bring it)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", RESSERVE_FUSED_NORM="1")
-    code = "import sys; sys.path.insert(0, sys.argv[1]); import test_norm; test_norm._interpreted_check()"
-    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_interpreted("tests.algorithms.test_norm", RESSERVE_FUSED_NORM="1")
 
 
-triton_gpu = pytest.mark.skipif(
-    not torch.cuda.is_available() or not NM.available(torch.device("cuda")), reason="needs a CUDA GPU and Triton"
-)
+triton_gpu = gpu_kernels(NM.available)
 
 
 @pytest.mark.gpu
@@ -196,11 +186,9 @@ def test_gpu_fused_norms_give_the_eager_norms(monkeypatch):
     _model_cases("cuda")
 
 
-@pytest.mark.gpu
-@triton_gpu
-def test_gpu_fused_norms_give_the_eager_scores(monkeypatch):
-    """compute_scores on a tiny bf16 Qwen3 on a GPU with the RMSNorms fused and eager: within 2e-4
-    relative (the stated tolerance of the bf16 scores)."""
+def assert_fused_scores_as_eager(monkeypatch, switches) -> None:
+    """compute_scores on a tiny bf16 Qwen3 on the GPU with the environment `switches` all on and
+    all off: within 2e-4 relative (the stated tolerance of the bf16 scores)."""
     from resserve_export.algorithms import scores as S
     from resserve_export.modeling.groups import group_linears, linears_of
     from resserve_export.observers.stats import collect
@@ -212,8 +200,16 @@ def test_gpu_fused_norms_give_the_eager_scores(monkeypatch):
     stats, _ = collect(model, batches, groups)
     runs = {}
     for flag in ("0", "1"):
-        monkeypatch.setenv("RESSERVE_FUSED_NORM", flag)
+        for name in switches:
+            monkeypatch.setenv(name, flag)
         runs[flag] = S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision="bf16")
     for a, e in zip(runs["1"]["groups"], runs["0"]["groups"]):
         for k, v in e["scores"].items():
             assert v > 0 and math.isclose(a["scores"][k], v, rel_tol=2e-4), (a["modules"], k)
+
+
+@pytest.mark.gpu
+@triton_gpu
+def test_gpu_fused_norms_give_the_eager_scores(monkeypatch):
+    """The scores with the RMSNorms fused and eager (`assert_fused_scores_as_eager`)."""
+    assert_fused_scores_as_eager(monkeypatch, ["RESSERVE_FUSED_NORM"])

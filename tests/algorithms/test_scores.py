@@ -861,6 +861,19 @@ def _same_candidates(a, b) -> None:
         assert torch.equal(b0, c0) and res.keys() == cres.keys() and all(torch.equal(res[r], cres[r]) for r in res)
 
 
+def _pools_built_ahead(monkeypatch) -> list:
+    """The `CandidatePool`s that `build_ahead` is called on from now on (appended as it is)."""
+    pools = []
+    real = S.CandidatePool.build_ahead
+
+    def spy(self, *a, **k):
+        pools.append(self)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(S.CandidatePool, "build_ahead", spy)
+    return pools
+
+
 @pytest.mark.parametrize("precision,thread", [("bf16", "0"), ("fp32", "0"), ("bf16", "1")])
 def test_candidates_built_ahead_give_the_same_scores(tiny_bf16, precision, thread, monkeypatch):
     """Candidates built ahead on a thread of their own (`CandidatePool.build_ahead`, opt-in) give
@@ -870,14 +883,7 @@ def test_candidates_built_ahead_give_the_same_scores(tiny_bf16, precision, threa
 
     model, groups, batches, stats = tiny_bf16
     monkeypatch.setenv("RESSERVE_SCORE_THREAD", thread)
-    pools = []
-    real = S.CandidatePool.build_ahead
-
-    def spy(self, *a, **k):
-        pools.append(self)
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(S.CandidatePool, "build_ahead", spy)
+    pools = _pools_built_ahead(monkeypatch)
     runs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("RESSERVE_BUILD_AHEAD", flag)
@@ -942,14 +948,7 @@ def test_gpu_candidates_built_ahead_give_the_same_candidates_and_scores(tiny_bf1
 
     model, groups, batches, stats = tiny_bf16
     model = copy.deepcopy(model).cuda()
-    pools = []
-    real = S.CandidatePool.build_ahead
-
-    def spy(self, *a, **k):
-        pools.append(self)
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(S.CandidatePool, "build_ahead", spy)
+    pools = _pools_built_ahead(monkeypatch)
     runs = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("RESSERVE_BUILD_AHEAD", flag)
