@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from resserve_export.algorithms.scores import loss as L
-from tests.fixtures.triton import gpu_kernels, no_gpu, run_interpreted
+from tests.fixtures.kernels_triton import gpu_kernels, no_gpu, run_interpreted
 
 
 def _case(dtype, B=3, S=9, V=5000, seed=0, device="cpu"):

@@ -11,7 +11,7 @@ from torch import nn
 
 from resserve_export.algorithms.scores import mlp as ML
 from tests.algorithms.test_norm import _loss_and_grad, _tiny, _ulps_and_share, assert_fused_scores_as_eager
-from tests.fixtures.triton import gpu_kernels, no_gpu, run_interpreted
+from tests.fixtures.kernels_triton import gpu_kernels, no_gpu, run_interpreted
 
 
 class GeluMLP(nn.Module):

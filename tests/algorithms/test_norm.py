@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from resserve_export.algorithms.scores import norm as NM
-from tests.fixtures.triton import gpu_kernels, no_gpu, run_interpreted
+from tests.fixtures.kernels_triton import gpu_kernels, no_gpu, run_interpreted
 
 
 class OddRMSNorm(nn.Module):
