@@ -14,6 +14,7 @@ the compiler's is raised again by the eager call.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -104,6 +105,13 @@ def triton_kernel(build):
     return get
 
 
+def launch_device(t: torch.Tensor):
+    """A context in which a Triton kernel launched for `t` runs on `t`'s GPU (Triton launches on
+    the current CUDA device; a model spread over several GPUs has tensors on others); nothing for
+    CPU tensors (the interpreter)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def kernel_available(device, kernel, interpret: bool = False) -> bool:
     """Whether a `triton_kernel` runs for tensors on `device`: CUDA with Triton, unless
     ``RESSERVE_BACKEND=reference`` asks for the eager paths. `interpret`: CPU tensors too under
@@ -116,4 +124,4 @@ def kernel_available(device, kernel, interpret: bool = False) -> bool:
     return kernel() is not None
 
 
-__all__ = ["RECOMPILE_LIMIT", "compile_or_eager", "triton_modules", "triton_kernel", "kernel_available"]
+__all__ = ["RECOMPILE_LIMIT", "compile_or_eager", "triton_modules", "triton_kernel", "kernel_available", "launch_device"]

@@ -30,7 +30,7 @@ import os
 import torch
 
 from resserve_export.algorithms.scores.batches import valid_tokens
-from resserve_export.core.compiling import kernel_available, triton_kernel
+from resserve_export.core.compiling import kernel_available, launch_device, triton_kernel
 
 # Vocabulary columns per step of the forward's row loop, and per program of the backward.
 _FWD_BLOCK = 2048
@@ -109,7 +109,8 @@ class _FusedLoss(torch.autograd.Function):
         lg = torch.empty_like(m)
         nll = torch.empty_like(m)
         if rows:
-            fwd[(rows,)](x, tgt, ok, m, lg, nll, V, x.stride(0), LOW=_LOW, BLOCK=_FWD_BLOCK, STEPS=_cdiv(V, _FWD_BLOCK), num_warps=8)
+            with launch_device(x):
+                fwd[(rows,)](x, tgt, ok, m, lg, nll, V, x.stride(0), LOW=_LOW, BLOCK=_FWD_BLOCK, STEPS=_cdiv(V, _FWD_BLOCK), num_warps=8)
         ctx.save_for_backward(x, tgt, ok, m, lg)
         return nll.sum()
 
@@ -121,7 +122,8 @@ class _FusedLoss(torch.autograd.Function):
         out = torch.empty((rows, V), dtype=x.dtype, device=x.device)
         gs = g.detach().to(device=x.device, dtype=torch.float32).reshape(1)
         if rows:
-            bwd[(rows, _cdiv(V, _BWD_BLOCK))](x, out, tgt, ok, m, lg, gs, V, x.stride(0), out.stride(0), BLOCK=_BWD_BLOCK, num_warps=8)
+            with launch_device(x):
+                bwd[(rows, _cdiv(V, _BWD_BLOCK))](x, out, tgt, ok, m, lg, gs, V, x.stride(0), out.stride(0), BLOCK=_BWD_BLOCK, num_warps=8)
         return out, None, None
 
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from resserve_export.algorithms.scores.norm import agrees
-from resserve_export.core.compiling import kernel_available, triton_kernel
+from resserve_export.core.compiling import kernel_available, launch_device, triton_kernel
 
 _KIND = {torch.bfloat16: 1, torch.float16: 2}
 _BLOCK = 2048
@@ -119,7 +119,8 @@ class _SiluMul(torch.autograd.Function):
         y = torch.empty_like(g)
         n = g.numel()
         if n:
-            fwd[(-(-n // _BLOCK),)](g, u, y, n, KIND=_KIND[g.dtype], BLOCK=_BLOCK, num_warps=8)
+            with launch_device(g):
+                fwd[(-(-n // _BLOCK),)](g, u, y, n, KIND=_KIND[g.dtype], BLOCK=_BLOCK, num_warps=8)
         ctx.save_for_backward(g, u)
         return y
 
@@ -131,7 +132,8 @@ class _SiluMul(torch.autograd.Function):
         dg, du = torch.empty_like(g), torch.empty_like(u)
         n = g.numel()
         if n:
-            bwd[(-(-n // _BLOCK),)](g, u, dy, dg, du, n, KIND=_KIND[g.dtype], BLOCK=_BLOCK, num_warps=8)
+            with launch_device(g):
+                bwd[(-(-n // _BLOCK),)](g, u, dy, dg, du, n, KIND=_KIND[g.dtype], BLOCK=_BLOCK, num_warps=8)
         return dg, du
 
 

@@ -34,7 +34,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from resserve_export.core.compiling import kernel_available, triton_kernel
+from resserve_export.core.compiling import kernel_available, launch_device, triton_kernel
 
 # How the kernels round their FP32 results to the input's dtype (a constexpr of both kernels).
 # FP32 models keep their own norms: there an ulp of difference in a row's 1/rms moves the last
@@ -137,7 +137,8 @@ class _FusedNorm(torch.autograd.Function):
         block = _next_power_of_2(N)
         if rows:
             inv_n = float(torch.tensor(1.0, dtype=torch.float32) / N)  # mean's factor, as FP32
-            fwd[(rows,)](x2, w, y, r, N, x2.stride(0), y.stride(0), eps, inv_n, GEMMA=gemma, KIND=_KIND[x.dtype], BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
+            with launch_device(x2):
+                fwd[(rows,)](x2, w, y, r, N, x2.stride(0), y.stride(0), eps, inv_n, GEMMA=gemma, KIND=_KIND[x.dtype], BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
         ctx.save_for_backward(x2, w, r)
         ctx.gemma, ctx.shape = gemma, x.shape
         return y.view(x.shape)
@@ -153,7 +154,8 @@ class _FusedNorm(torch.autograd.Function):
         dx = torch.empty_like(x2)
         block = _next_power_of_2(N)
         if rows:
-            bwd[(rows,)](x2, w, r, dy2, dx, N, x2.stride(0), dy2.stride(0), dx.stride(0), GEMMA=ctx.gemma, KIND=_KIND[x2.dtype], BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
+            with launch_device(x2):
+                bwd[(rows,)](x2, w, r, dy2, dx, N, x2.stride(0), dy2.stride(0), dx.stride(0), GEMMA=ctx.gemma, KIND=_KIND[x2.dtype], BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
         return dx.view(ctx.shape), None, None, None
 
 
