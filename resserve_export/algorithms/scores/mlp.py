@@ -70,8 +70,9 @@ def _kernels(triton, tl):
         g = tl.load(g_ptr + i, mask=inside, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + i, mask=inside, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + i, mask=inside, other=0.0).to(tl.float32)
-        sig = 1.0 / (1.0 + tl.exp(-g))
-        s = g / (1.0 + tl.exp(-g))
+        e = 1.0 + tl.exp(-g)  # SiLU and σ share it: s = g / e, σ = 1 / e
+        sig = 1.0 / e
+        s = g / e
         if KIND == 1:
             b = s.to(tl.uint32, bitcast=True)
             s = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)

@@ -63,13 +63,17 @@ class CandidatePool:
             return self._ahead.take(key)
         if key in self.kept:
             return self.kept[key]
-        g = self.groups[key]
-        cand = Candidates(self.model, g, self.stats, self.ratios, self.fmt, self.rounding, self.base_weights)
-        self.builds += 1
-        size = g.weight_count * self.bytes_per_weight
+        cand = self._build(key)
+        size = self.groups[key].weight_count * self.bytes_per_weight
         if self.used + size <= self.budget:
             self.kept[key] = cand
             self.used += size
+        return cand
+
+    def _build(self, key: tuple[str, ...]) -> Candidates:
+        """Group `key`'s candidates, built now (counted in `builds`)."""
+        cand = Candidates(self.model, self.groups[key], self.stats, self.ratios, self.fmt, self.rounding, self.base_weights)
+        self.builds += 1
         return cand
 
     def _fits(self, order) -> list:
@@ -136,13 +140,12 @@ class _Ahead:
                 if self.stop:
                     break
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                    cand = Candidates(self.pool.model, self.pool.groups[key], self.pool.stats, self.pool.ratios, self.pool.fmt, self.pool.rounding, self.pool.base_weights)
+                    cand = self.pool._build(key)
                     if self.prepare is not None:
                         self.prepare(cand)
                     if stream is not None:
                         self.events[key] = stream.record_event()
                 self.pool.kept[key] = cand
-                self.pool.builds += 1
                 self.done[key].set()
                 if self.progress is not None:
                     self.progress(k + 1, len(self.keys))
