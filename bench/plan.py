@@ -191,9 +191,20 @@ def bench_scores(samples: int, seq_len: int, batch_size: int, kl_groups: int, re
     ]
 
 
+# The opt-in pieces, each alone and all together: (key, what the rows call it, environment).
+OPT_INS = (
+    ("loss", "the fused loss (`RESSERVE_FUSED_LOSS=1`)", {"RESSERVE_FUSED_LOSS": "1"}),
+    ("norm", "the fused RMSNorms (`RESSERVE_FUSED_NORM=1`)", {"RESSERVE_FUSED_NORM": "1"}),
+    ("mlp", "the fused MLP activations (`RESSERVE_FUSED_MLP=1`)", {"RESSERVE_FUSED_MLP": "1"}),
+    ("all", "all three fused pieces and the candidates built ahead", {"RESSERVE_FUSED_LOSS": "1", "RESSERVE_FUSED_NORM": "1", "RESSERVE_FUSED_MLP": "1", "RESSERVE_BUILD_AHEAD": "1"}),
+)
+
+
 def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int, smoke: bool = False, profile: bool = False) -> list[str]:
     """Grad-scoring cost on one CUDA GPU: a random Qwen3-1.7B-shaped bf16 model on random tokens
-    (the cost does not depend on the weights), against the calibration pass over the same batches."""
+    (the cost does not depend on the weights), against the calibration pass over the same batches.
+    Each figure is also printed to stderr as soon as it is measured (a run cut short keeps them),
+    and an opt-in piece that fails is reported in the table instead of ending the run."""
     import torch
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -212,19 +223,40 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
     groups = group_linears(linears_of(model))
     tokens = sum(int(b["attention_mask"].sum()) for b in batches)
 
+    def sync():
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
     def timed(fn, runs_n: int | None = None):
         fn()  # warm-up: compiles, cuBLAS handles, the allocator
         runs = []
         for _ in range(runs_n or repeat):
-            torch.cuda.synchronize() if dev == "cuda" else None
+            sync()
             t = time.perf_counter()
             out = fn()
-            torch.cuda.synchronize() if dev == "cuda" else None
+            sync()
             runs.append(time.perf_counter() - t)
         return statistics.median(runs), out
 
+    def peak(fn) -> float:
+        """Peak GPU memory (GiB) allocated during one run of `fn` (0 on a CPU)."""
+        if dev != "cuda":
+            return 0.0
+        sync()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        sync()
+        return torch.cuda.max_memory_allocated() / 2**30
+
+    t, runs, peaks, failed = {}, {}, {}, {}
+
+    def measure(key: str, fn, runs_n: int | None = None) -> None:
+        t[key], runs[key] = timed(fn, runs_n)
+        print(f"[plan --part gpu] {key}: {t[key]:.3f} s", file=sys.stderr, flush=True)
+
     # The anchor: at least 5 runs (one run once read 0.45 s for a pass that takes 0.19 s).
-    t_calib, (stats, _) = timed(lambda: collect(model, batches, groups), max(5, repeat))
+    measure("calib", lambda: collect(model, batches, groups), max(5, repeat))
+    stats = runs["calib"][0]
     from resserve_export.algorithms.scores.bf16 import split_base
 
     def build():
@@ -236,7 +268,8 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
             c.build_fast_weights(split_base(x, c.linears))
         return cands
 
-    t_build, cands = timed(build)
+    measure("build", build)
+    cands = runs["build"]
     if profile:
         profiled("one-off weight quantization of every candidate", build)
         profiled(
@@ -248,78 +281,63 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
     def fwd_bwd():
         forward_backward(model, batches)
 
-    t_floor, _ = timed(fwd_bwd)
-
-    def peak(fn) -> float:
-        """Peak GPU memory (GiB) allocated during one run of `fn` (0 on a CPU)."""
-        if dev != "cuda":
-            return 0.0
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() / 2**30
-
-    peaks = {"eager": peak(fwd_bwd)}
-
     def scored(prec):
         return lambda: S.compute_scores(model, batches, stats, groups, "grad", candidates=cands, show_progress=False, precision=prec)
 
-    grad, runs = {}, {}
+    scratch = lambda: S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision="bf16")  # noqa: E731
+    measure("floor", fwd_bwd)
+    peaks["eager"] = peak(fwd_bwd)
     for prec in ("bf16", "fp32"):
-        grad[prec], runs[prec] = timed(scored(prec))
+        measure(prec, scored(prec))
     # The bf16 path as it was before its Triton kernels (`scores.fused`): eager reductions and
     # operands, for the time and as the reference the kernels' scores are compared with.
     from resserve_export.algorithms.scores import fused
     from resserve_export.algorithms.scores.device import mm_f32_native
 
-    real = fused.available
-    fused.available = lambda device: False
-    try:
-        grad["eager"], runs["eager"] = timed(scored("bf16"))
-    finally:
-        fused.available = real
-    # The loss through the fused cross-entropy kernels (`scores.loss`, opt-in) instead of eager ops.
-    with mock.patch.dict(os.environ, {"RESSERVE_FUSED_LOSS": "1"}):
-        t_floor_fused, _ = timed(fwd_bwd)
-        peaks["fused"] = peak(fwd_bwd)
-        grad["fused-loss"], runs["fused-loss"] = timed(scored("bf16"))
-    # The RMSNorms through their fused kernels (`scores.norm`, opt-in), alone and with the loss.
-    with mock.patch.dict(os.environ, {"RESSERVE_FUSED_NORM": "1"}):
-        t_floor_norm, _ = timed(fwd_bwd)
-        peaks["norm"] = peak(fwd_bwd)
-        grad["fused-norm"], runs["fused-norm"] = timed(scored("bf16"))
-    with mock.patch.dict(os.environ, {"RESSERVE_FUSED_MLP": "1"}):
-        t_floor_mlp, _ = timed(fwd_bwd)
-        grad["fused-mlp"], runs["fused-mlp"] = timed(scored("bf16"))
-    both = {"RESSERVE_FUSED_LOSS": "1", "RESSERVE_FUSED_NORM": "1", "RESSERVE_FUSED_MLP": "1", "RESSERVE_BUILD_AHEAD": "1"}
-    with mock.patch.dict(os.environ, both):
-        peaks["all"] = peak(fwd_bwd)
-        t_floor_both, _ = timed(fwd_bwd)
-        grad["fused-both"], runs["fused-both"] = timed(scored("bf16"))
-        grad["scratch-both"], runs["scratch-both"] = timed(lambda: S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision="bf16"))
+    with mock.patch.object(fused, "available", lambda device: False):
+        measure("eager", scored("bf16"))
+    # Each opt-in piece alone, then all of them: the forward + backward, its peak, and the scores.
+    for key, _, env in OPT_INS:
+        with mock.patch.dict(os.environ, env):
+            try:
+                measure(f"floor-{key}", fwd_bwd)
+                peaks[key] = peak(fwd_bwd)
+                measure(f"grad-{key}", scored("bf16"))
+                if key == "all":
+                    measure("scratch-all", scratch)
+            except Exception as e:  # noqa: BLE001 - a bench reports a broken opt-in and goes on
+                failed[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                print(f"[plan --part gpu] {key} failed: {failed[key]}", file=sys.stderr, flush=True)
     # The scoring thread (`scores.worker`) on and off, whichever is the default: scores from the
     # prebuilt candidates, and what `calibrate --scores grad` runs, compute_scores building its own
-    # candidates (with the thread, each group on first use there, while the model's passes run).
+    # candidates (with the thread, each group on first use there, while the model's passes run);
+    # and from scratch with the candidates built ahead on a thread of their own while the first
+    # batch runs (`pool.build_ahead`, RESSERVE_BUILD_AHEAD=1) instead of all before the first batch.
     from resserve_export.algorithms.scores.worker import wanted
 
-    def with_thread(flag: str, fn):
-        with mock.patch.dict(os.environ, {"RESSERVE_SCORE_THREAD": flag}):
-            return timed(fn)
-
-    scratch = lambda: S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision="bf16")  # noqa: E731
     for flag, tag in (("0", "hooks"), ("1", "thread")):
-        grad[tag], runs[tag] = with_thread(flag, scored("bf16"))
-        grad[f"scratch-{tag}"], runs[f"scratch-{tag}"] = with_thread(flag, scratch)
-    # From scratch with the candidates built ahead on a thread of their own while the first batch
-    # runs (`pool.build_ahead`, RESSERVE_BUILD_AHEAD=1) instead of all before the first batch.
-    with mock.patch.dict(os.environ, {"RESSERVE_BUILD_AHEAD": "1"}):
-        grad["scratch-ahead"], runs["scratch-ahead"] = with_thread("0", scratch)
+        with mock.patch.dict(os.environ, {"RESSERVE_SCORE_THREAD": flag}):
+            measure(tag, scored("bf16"))
+            measure(f"scratch-{tag}", scratch)
+    with mock.patch.dict(os.environ, {"RESSERVE_SCORE_THREAD": "0", "RESSERVE_BUILD_AHEAD": "1"}):
+        try:
+            measure("scratch-ahead", scratch)
+        except Exception as e:  # noqa: BLE001
+            failed["ahead"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     default = "thread" if wanted() else "hooks"
 
-    def moved(a, b):
-        """Largest relative difference between two scores.json records, over (group, ratio)."""
-        return max(abs(x - y) / max(abs(y), 1e-30) for ga, gb in zip(a["groups"], b["groups"]) for x, y in zip(ga["scores"].values(), gb["scores"].values()))
+    def moved(a: str, b: str) -> str:
+        """Largest relative difference between two runs' scores.json records, over (group, ratio)."""
+        if a not in runs or b not in runs:
+            return "n/a"
+        pairs = zip(runs[a]["groups"], runs[b]["groups"])
+        return f"{max(abs(x - y) / max(abs(y), 1e-30) for ga, gb in pairs for x, y in zip(ga['scores'].values(), gb['scores'].values())):.2e}"
+
+    def row(label: str, key: str, bold: bool = False) -> str:
+        if key not in t:
+            return f"| {label} | failed | {failed.get(key.split('-')[-1], 'not run')} |"
+        r = f"{t[key] / t['calib']:.2f}"
+        return f"| {label} | {t[key]:.3f} | {'**' + r + '**' if bold else r} |"
 
     kernels = fused.available(torch.device(dev))
     name = torch.cuda.get_device_name(0) if dev == "cuda" else "cpu"
@@ -327,6 +345,7 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
     # GEMM of width 3K (`scores.Candidates.prepare_fast`).
     split = mm_f32_native(torch.device(dev, 0) if dev == "cuda" else torch.device(dev), torch.bfloat16)
     layout = "split: X̂'Ŵ'ᵀ and X Wᵀ with FP32 outputs" if split else "fused: one GEMM of width 3K"
+    t["apart"] = t["bf16"] + t["build"]
     return [
         f"## Scoring cost on one GPU ({name}, random Qwen3-1.7B-shaped bf16 model)",
         "",
@@ -336,37 +355,33 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
         "",
         "| pass | time (s) | × calibration pass |",
         "| --- | --- | --- |",
-        f"| calibration pass (`calibrate.collect`) | {t_calib:.3f} | 1.00 |",
-        f"| forward + backward of the loss alone, no score hooks | {t_floor:.3f} | {t_floor / t_calib:.2f} |",
-        f"| the same with the fused loss (`RESSERVE_FUSED_LOSS=1`) | {t_floor_fused:.3f} | {t_floor_fused / t_calib:.2f} |",
-        f"| the same with the fused RMSNorms (`RESSERVE_FUSED_NORM=1`) | {t_floor_norm:.3f} | {t_floor_norm / t_calib:.2f} |",
-        f"| the same with the fused MLP activations (`RESSERVE_FUSED_MLP=1`) | {t_floor_mlp:.3f} | {t_floor_mlp / t_calib:.2f} |",
-        f"| the same with all three | {t_floor_both:.3f} | {t_floor_both / t_calib:.2f} |",
-        f"| **grad scores, `precision=bf16` (the default for bf16 models)** | {grad['bf16']:.3f} | **{grad['bf16'] / t_calib:.2f}** |",
-        f"| grad scores, bf16, scored inside the gradient hooks{' (the default)' if default == 'hooks' else ''} | {grad['hooks']:.3f} | {grad['hooks'] / t_calib:.2f} |",
-        f"| grad scores, bf16, on the scoring thread{' (the default)' if default == 'thread' else ''} | {grad['thread']:.3f} | {grad['thread'] / t_calib:.2f} |",
-        f"| grad scores, bf16, with the fused loss (`RESSERVE_FUSED_LOSS=1`) | {grad['fused-loss']:.3f} | {grad['fused-loss'] / t_calib:.2f} |",
-        f"| grad scores, bf16, with the fused RMSNorms (`RESSERVE_FUSED_NORM=1`) | {grad['fused-norm']:.3f} | {grad['fused-norm'] / t_calib:.2f} |",
-        f"| grad scores, bf16, with the fused MLP activations (`RESSERVE_FUSED_MLP=1`) | {grad['fused-mlp']:.3f} | {grad['fused-mlp'] / t_calib:.2f} |",
-        f"| grad scores, bf16, with all three | {grad['fused-both']:.3f} | {grad['fused-both'] / t_calib:.2f} |",
-        f"| grad scores, bf16, eager reductions and operands (no Triton kernels) | {grad['eager']:.3f} | {grad['eager'] / t_calib:.2f} |",
-        f"| grad scores, `precision=fp32` (FP32 emulation) | {grad['fp32']:.3f} | {grad['fp32'] / t_calib:.2f} |",
-        f"| one-off weight quantization of every candidate, bf16 weight operands included | {t_build:.3f} | {t_build / t_calib:.2f} |",
-        f"| **grad scores + one-off quantization, timed apart** | {grad['bf16'] + t_build:.3f} | **{(grad['bf16'] + t_build) / t_calib:.2f}** |",
-        f"| **grad scores from scratch** (`compute_scores` building its own candidates before the first batch, what `calibrate` runs), inside the hooks | {grad['scratch-hooks']:.3f} | **{grad['scratch-hooks'] / t_calib:.2f}** |",
-        f"| grad scores from scratch, candidates built ahead on their own thread (`RESSERVE_BUILD_AHEAD=1`) | {grad['scratch-ahead']:.3f} | {grad['scratch-ahead'] / t_calib:.2f} |",
-        f"| **grad scores from scratch, candidates built ahead, fused loss, RMSNorms and MLP activations** (all four opt-ins) | {grad['scratch-both']:.3f} | **{grad['scratch-both'] / t_calib:.2f}** |",
-        f"| grad scores from scratch, on the scoring thread (candidates built there on first use) | {grad['scratch-thread']:.3f} | {grad['scratch-thread'] / t_calib:.2f} |",
+        row("calibration pass (`calibrate.collect`)", "calib"),
+        row("forward + backward of the loss alone, no score hooks", "floor"),
+        *(row(f"the same with {label}", f"floor-{key}") for key, label, _ in OPT_INS),
+        row("**grad scores, `precision=bf16` (the default for bf16 models)**", "bf16", bold=True),
+        row(f"grad scores, bf16, scored inside the gradient hooks{' (the default)' if default == 'hooks' else ''}", "hooks"),
+        row(f"grad scores, bf16, on the scoring thread{' (the default)' if default == 'thread' else ''}", "thread"),
+        *(row(f"grad scores, bf16, with {label}", f"grad-{key}") for key, label, _ in OPT_INS),
+        row("grad scores, bf16, eager reductions and operands (no Triton kernels)", "eager"),
+        row("grad scores, `precision=fp32` (FP32 emulation)", "fp32"),
+        row("one-off weight quantization of every candidate, bf16 weight operands included", "build"),
+        row("**grad scores + one-off quantization, timed apart**", "apart", bold=True),
+        row("**grad scores from scratch** (`compute_scores` building its own candidates before the first batch, what `calibrate` runs), inside the hooks", "scratch-hooks", bold=True),
+        row("grad scores from scratch, candidates built ahead on their own thread (`RESSERVE_BUILD_AHEAD=1`)", "scratch-ahead"),
+        row("**grad scores from scratch with all four opt-ins** (fused loss, RMSNorms and MLP activations, candidates built ahead)", "scratch-all", bold=True),
+        row("grad scores from scratch, on the scoring thread (candidates built there on first use)", "scratch-thread"),
         "",
-        f"Peak GPU memory of the forward + backward: {peaks['eager']:.2f} GiB with the eager loss and norms, {peaks['fused']:.2f} GiB with the fused loss, {peaks['norm']:.2f} GiB with the fused norms, {peaks['all']:.2f} GiB with all three.",
+        "Peak GPU memory of the forward + backward (GiB): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in peaks.items())
+        + ".",
         "",
         f"Triton kernels {'used' if kernels else 'NOT available (the bf16 rows ran eagerly)'}. Largest relative difference over "
-        f"{len(groups) * len(RATIOS)} (group, ratio) scores against the eager bf16 path: {moved(runs['bf16'], runs['eager']):.2e} "
-        "(stated tolerance 2e-4: the same FP32 products summed in another order); with the fused loss: "
-        f"{moved(runs['bf16'], runs['fused-loss']):.2e}; with the fused norms: {moved(runs['bf16'], runs['fused-norm']):.2e}; with the fused MLPs: {moved(runs['bf16'], runs['fused-mlp']):.2e}; with all three: "
-        f"{max(moved(runs['bf16'], runs[k]) for k in ('fused-both', 'scratch-both')):.2e}; between the hooks and the thread: "
-        f"{moved(runs['hooks'], runs['thread']):.2e}, and from scratch: {max(moved(runs['bf16'], runs[k]) for k in ('scratch-hooks', 'scratch-thread', 'scratch-ahead')):.2e} "
-        f"(the same operations), against {moved(runs['bf16'], runs['hooks']):.2e} between two runs of the same setting "
+        f"{len(groups) * len(RATIOS)} (group, ratio) scores against the eager bf16 path: {moved('bf16', 'eager')} "
+        "(stated tolerance 2e-4: the same FP32 products summed in another order); "
+        + "; ".join(f"with {label}: {moved('bf16', f'grad-{key}')}" for key, label, _ in OPT_INS)
+        + f"; from scratch with all four: {moved('bf16', 'scratch-all')}; between the hooks and the thread: "
+        f"{moved('hooks', 'thread')}, and from scratch: {', '.join(moved('bf16', k) for k in ('scratch-hooks', 'scratch-thread', 'scratch-ahead'))} "
+        f"(the same operations), against {moved('bf16', 'hooks')} between two runs of the same setting "
         "(on a GPU the model's backward is not deterministic, so two runs differ; on a CPU all three are 0).",
     ]
 
