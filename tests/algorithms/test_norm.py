@@ -103,6 +103,15 @@ def test_agreement_rule():
     assert not NM.agrees(want.half(), want) and not NM.agrees(want[:10], want)
 
 
+def test_fused_norm_refuses_what_its_kernels_do_not_cover():
+    """FP32 input, a llama-form weight of another dtype, or a width that is not the weight's: one
+    ValueError before any kernel is launched (a CPU tensor suffices)."""
+    m = _norm("qwen3", 16, torch.bfloat16)
+    for x, w in ((torch.randn(3, 16), m.weight.float()), (torch.randn(3, 16).bfloat16(), m.weight.float()), (torch.randn(3, 8).bfloat16(), m.weight)):
+        with pytest.raises(ValueError, match="covers bf16/fp16 inputs"):
+            NM.fused_rms_norm(x, w, 1e-6, "llama")
+
+
 @pytest.mark.parametrize("flag", ["0", "1"])
 def test_nothing_is_swapped_where_the_kernels_do_not_run(flag, monkeypatch):
     """On CPU tensors without the interpreter, or when not asked for, the model keeps its own norms."""

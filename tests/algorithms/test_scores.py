@@ -573,19 +573,19 @@ def test_memory_bounded_pool_gives_the_same_scores(tiny, tiny_bf16, method, prec
     drops it after use; the scores are the same bits as with every group kept."""
     model, groups, batches, stats = tiny_bf16 if precision == "bf16" else tiny[:4]
     builds = []
-    real_init = S.CandidatePool.__getitem__
+    real_build = S.CandidatePool._build
 
     def counting(self, key):
-        builds.append(key not in self.kept)
-        return real_init(self, key)
+        builds.append(key)
+        return real_build(self, key)
 
-    monkeypatch.setattr(S.CandidatePool, "__getitem__", counting)
+    monkeypatch.setattr(S.CandidatePool, "_build", counting)
     kept = S.compute_scores(model, batches, stats, groups, method, show_progress=False, precision=precision, memory_budget=1 << 40)
-    n_kept = sum(builds)
+    n_kept = len(builds)
     builds.clear()
     tight = S.compute_scores(model, batches, stats, groups, method, show_progress=False, precision=precision, memory_budget=0)
     assert n_kept == len(groups)  # built once each, up front
-    assert sum(builds) == len(groups) * len(batches)  # rebuilt for every batch
+    assert len(builds) == len(groups) * len(batches)  # rebuilt for every batch
     assert [g["scores"] for g in tight["groups"]] == [g["scores"] for g in kept["groups"]]
 
 

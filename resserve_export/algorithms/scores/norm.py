@@ -167,6 +167,8 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str)
     """RMSNorm of x in `form` (``llama`` or ``gemma``) through the kernels; `available` must hold."""
     if form not in _FORMS:
         raise ValueError(f"unknown RMSNorm form {form!r}, available: {list(_FORMS)}")
+    if not _covered(x, weight, form):
+        raise ValueError(f"the fused RMSNorm covers bf16/fp16 inputs of width {weight.shape[0]} (with a weight of the same dtype in the llama form); got {x.dtype} of width {x.shape[-1]} and a {weight.dtype} weight")
     return _FusedNorm.apply(x, weight.detach(), float(eps), form == "gemma")
 
 

@@ -26,6 +26,7 @@ import torch
 
 from resserve_export.formats.mxfp4 import ScaleRounding
 from resserve_export.algorithms.scores.candidates import Candidates
+from resserve_export.algorithms.scores.worker import enter_thread
 
 
 def default_budget(device: torch.device) -> int:
@@ -100,12 +101,11 @@ class CandidatePool:
 
     def prebuild(self, order, progress=None) -> None:
         """Build (and keep) the groups that fit, in `order`, reporting ``progress(done, total)``."""
-        order = list(order)
-        for k, key in enumerate(order):
-            if key not in self.kept and self.used + self.groups[key].weight_count * self.bytes_per_weight <= self.budget:
-                self[key]
+        keys = self._fits(list(order))
+        for k, key in enumerate(keys):
+            self.kept[key] = self._build(key)
             if progress is not None:
-                progress(k + 1, len(order))
+                progress(k + 1, len(keys))
 
 
 class _Ahead:
@@ -130,12 +130,8 @@ class _Ahead:
 
     def _run(self) -> None:
         try:
-            torch.set_grad_enabled(False)
-            torch.set_num_threads(self.threads)
-            stream = None
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-                stream = torch.cuda.Stream(self.device)
+            enter_thread(self.device, self.threads)
+            stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
             for k, key in enumerate(self.keys):
                 if self.stop:
                     break

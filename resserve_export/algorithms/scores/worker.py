@@ -50,16 +50,10 @@ class ScoringThread:
         self._thread.start()
 
     def _loop(self) -> None:
-        # What a gradient hook runs under, set for this thread: no autograd recording (the backward
-        # pass turns it off), the caller's CPU threads and CUDA device and stream.
         # A set-up that fails is the first error: the jobs are then taken and skipped, so that a
         # caller blocked on a full queue or in `drain` gets it instead of waiting forever.
         try:
-            torch.set_grad_enabled(False)
-            torch.set_num_threads(self.threads)
-            if self.stream is not None:
-                torch.cuda.set_device(self.device)
-                torch.cuda.set_stream(self.stream)
+            enter_thread(self.device, self.threads, self.stream)
         except BaseException as e:
             self._error = e
         while True:
@@ -94,6 +88,18 @@ class ScoringThread:
         err, self._error = self._error, None
         if err is not None and raise_error:
             raise err
+
+
+def enter_thread(device: torch.device, threads: int, stream=None) -> None:
+    """Set up a thread of ours as a gradient hook runs: no autograd recording (the backward pass
+    turns it off), the caller's CPU thread count, and on a GPU its device (and `stream`, if given;
+    else the device's default stream). Used by `ScoringThread` and `pool.CandidatePool.build_ahead`."""
+    torch.set_grad_enabled(False)
+    torch.set_num_threads(threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        if stream is not None:
+            torch.cuda.set_stream(stream)
 
 
 def wanted() -> bool:
