@@ -680,7 +680,9 @@ def test_gpu_fused_kernels_give_the_eager_scores(tiny_bf16, precision, monkeypat
 @triton_gpu
 def test_gpu_fused_loss_gives_the_eager_scores(tiny_bf16, monkeypatch):
     """compute_scores on a GPU with the next-token loss fused (``RESSERVE_FUSED_LOSS=1``) and eager:
-    within 1e-4 relative (the loss's gradient differs in the last bit of a few elements)."""
+    within 1e-3 relative. The loss's gradient differs in the last bit of a few elements, and the
+    backward carries that to the first layer: 3.8e-4 on layer 0's q/k/v on an H100, beyond the 2e-4
+    of the default kernels, one reason the fused loss stays opt-in (bench/results/plan.md)."""
     import copy
 
     model, groups, batches, stats = tiny_bf16
@@ -694,7 +696,7 @@ def test_gpu_fused_loss_gives_the_eager_scores(tiny_bf16, monkeypatch):
         for k in RATIOS:
             k = S.ratio_key(k)
             assert e["scores"][k] > 0
-            assert math.isclose(a["scores"][k], e["scores"][k], rel_tol=1e-4), (a["modules"], k)
+            assert math.isclose(a["scores"][k], e["scores"][k], rel_tol=1e-3), (a["modules"], k)
 
 
 def _two_members(seed: int = 0):

@@ -162,8 +162,8 @@ def compute_scores(
 def build_ahead_wanted(device: torch.device) -> bool:
     """Whether the grad scores build their candidates ahead, on a thread of their own
     (`CandidatePool.build_ahead`): meant for GPUs, where building is host work that the model's
-    passes leave room for. Opt-in (``RESSERVE_BUILD_AHEAD=1``, on any device) until it has been
-    measured on a GPU."""
+    passes leave room for. Opt-in (``RESSERVE_BUILD_AHEAD=1``, on any device): slower on an
+    H100 (`pool`'s docstring)."""
     return os.environ.get("RESSERVE_BUILD_AHEAD", "") == "1"
 
 

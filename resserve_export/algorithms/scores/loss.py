@@ -8,9 +8,10 @@ and the padding of the sliced-off last position, all ``[batch, seq, vocab]``. Fo
 vocabulary that is ≈ 30 GB of memory traffic per batch of 4 × 1024 tokens, and FP32 copies of
 2.5 GB each alive at once.
 
-On CUDA with Triton (`available`), and with ``RESSERVE_FUSED_LOSS=1`` (`wanted`: opt-in until
-the kernels have run on a GPU; their logic is checked on CPU tensors under the Triton interpreter,
-and a GPU test and a bench row are written), the loss is one custom autograd function
+On CUDA with Triton (`available`), and with ``RESSERVE_FUSED_LOSS=1`` (`wanted`: opt-in. On an
+H100 the model's forward + backward fell from 0.54 to 0.48 s, the scores moved by up to 4e-4
+relative, beyond the 2e-4 of the default kernels, and the scores from scratch were no faster;
+bench/results/plan.md), the loss is one custom autograd function
 (`_FusedLoss`) of two kernels: the forward reads each row of logits once (a running max and
 sum of exponentials per lane, then the row's max M and log-sum log S), and the backward writes
 the gradient ``exp((x − M) − log S) − onehot`` straight in the logits' dtype, zeros in the rows

@@ -6,7 +6,9 @@ budget (`default_budget`: half the memory free on the device) and rebuilds the o
 batch. Candidates are deterministic, so the scores are the same bits either way. The bytes a
 group takes per weight depend on the precision and layout (`precision.bytes_per_weight_of`).
 
-With ``RESSERVE_BUILD_AHEAD=1`` (opt-in until measured on a GPU, for which it is meant) the grad
+With ``RESSERVE_BUILD_AHEAD=1`` (opt-in: on an H100 it made the scores from scratch slower, 1.5
+and 2.2 s against 1.2 and 1.6 s building first, as the build thread takes host time from the
+scoring's launches; bench/results/plan.md) the grad
 scores build the groups that fit ahead of their use (`CandidatePool.build_ahead`):
 a thread of its own builds them on a CUDA stream of its own, last layer first (the order the
 backward pass asks for them), while the first batch's forward and backward run, instead of all
