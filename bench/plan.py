@@ -196,6 +196,7 @@ OPT_INS = (
     ("loss", "the fused loss (`RESSERVE_FUSED_LOSS=1`)", {"RESSERVE_FUSED_LOSS": "1"}),
     ("norm", "the fused RMSNorms (`RESSERVE_FUSED_NORM=1`)", {"RESSERVE_FUSED_NORM": "1"}),
     ("mlp", "the fused MLP activations (`RESSERVE_FUSED_MLP=1`)", {"RESSERVE_FUSED_MLP": "1"}),
+    ("fused", "all three fused pieces", {"RESSERVE_FUSED_LOSS": "1", "RESSERVE_FUSED_NORM": "1", "RESSERVE_FUSED_MLP": "1"}),
     ("all", "all three fused pieces and the candidates built ahead", {"RESSERVE_FUSED_LOSS": "1", "RESSERVE_FUSED_NORM": "1", "RESSERVE_FUSED_MLP": "1", "RESSERVE_BUILD_AHEAD": "1"}),
 )
 
@@ -303,8 +304,7 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
                 measure(f"floor-{key}", fwd_bwd)
                 peaks[key] = peak(fwd_bwd)
                 measure(f"grad-{key}", scored("bf16"))
-                if key == "all":
-                    measure("scratch-all", scratch)
+                measure(f"scratch-{key}", scratch)
             except Exception as e:  # noqa: BLE001 - a bench reports a broken opt-in and goes on
                 failed[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 print(f"[plan --part gpu] {key} failed: {failed[key]}", file=sys.stderr, flush=True)
@@ -368,7 +368,7 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
         row("**grad scores + one-off quantization, timed apart**", "apart", bold=True),
         row("**grad scores from scratch** (`compute_scores` building its own candidates before the first batch, what `calibrate` runs), inside the hooks", "scratch-hooks", bold=True),
         row("grad scores from scratch, candidates built ahead on their own thread (`RESSERVE_BUILD_AHEAD=1`)", "scratch-ahead"),
-        row("**grad scores from scratch with all four opt-ins** (fused loss, RMSNorms and MLP activations, candidates built ahead)", "scratch-all", bold=True),
+        *(row(f"grad scores from scratch with {label}", f"scratch-{key}") for key, label, _ in OPT_INS),
         row("grad scores from scratch, on the scoring thread (candidates built there on first use)", "scratch-thread"),
         "",
         "Peak GPU memory of the forward + backward (GiB): "
@@ -379,7 +379,7 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
         f"{len(groups) * len(RATIOS)} (group, ratio) scores against the eager bf16 path: {moved('bf16', 'eager')} "
         "(stated tolerance 2e-4: the same FP32 products summed in another order); "
         + "; ".join(f"with {label}: {moved('bf16', f'grad-{key}')}" for key, label, _ in OPT_INS)
-        + f"; from scratch with all four: {moved('bf16', 'scratch-all')}; between the hooks and the thread: "
+        + f"; from scratch with all four: {moved('bf16', 'scratch-all')} (the same run's default from scratch against the prebuilt: {moved('bf16', 'scratch-hooks')}); between the hooks and the thread: "
         f"{moved('hooks', 'thread')}, and from scratch: {', '.join(moved('bf16', k) for k in ('scratch-hooks', 'scratch-thread', 'scratch-ahead'))} "
         f"(the same operations), against {moved('bf16', 'hooks')} between two runs of the same setting "
         "(on a GPU the model's backward is not deterministic, so two runs differ; on a CPU all three are 0).",
