@@ -171,6 +171,11 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str)
         raise ValueError(f"unknown RMSNorm form {form!r}, available: {list(_FORMS)}")
     if not _covered(x, weight, form):
         raise ValueError(f"the fused RMSNorm covers bf16/fp16 inputs of width {weight.shape[0]} (with a weight of the same dtype in the llama form); got {x.dtype} of width {x.shape[-1]} and a {weight.dtype} weight")
+    return _fused(x, weight, eps, form)
+
+
+def _fused(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str) -> torch.Tensor:
+    """`fused_rms_norm` for a caller that has checked `_covered` itself (`fused_norms`, per call)."""
     return _FusedNorm.apply(x, weight.detach(), float(eps), form == "gemma")
 
 
@@ -232,11 +237,11 @@ def fused_norms(model: nn.Module):
             if cls not in forms:
                 with torch.no_grad():
                     want = own(x)
-                    forms[cls] = next((f for f in _FORMS if _covered(x, mod.weight, f) and agrees(fused_rms_norm(x, mod.weight, eps, f), want)), None)
+                    forms[cls] = next((f for f in _FORMS if _covered(x, mod.weight, f) and agrees(_fused(x, mod.weight, eps, f), want)), None)
             form = forms[cls]
             if form is None or not _covered(x, mod.weight, form):
                 return own(x)
-            return fused_rms_norm(x, mod.weight, eps, form)
+            return _fused(x, mod.weight, eps, form)
 
         return forward
 
