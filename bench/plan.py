@@ -255,6 +255,11 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
         t[key], runs[key] = timed(fn, runs_n)
         print(f"[plan --part gpu] {key}: {t[key]:.3f} s", file=sys.stderr, flush=True)
 
+    def failed_on(key: str, e: Exception) -> None:
+        """Record (for the table) and print that opt-in `key` raised `e`; the run goes on."""
+        failed[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        print(f"[plan --part gpu] {key} failed: {failed[key]}", file=sys.stderr, flush=True)
+
     # The anchor: at least 5 runs (one run once read 0.45 s for a pass that takes 0.19 s).
     measure("calib", lambda: collect(model, batches, groups), max(5, repeat))
     stats = runs["calib"][0]
@@ -306,8 +311,7 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
                 measure(f"grad-{key}", scored("bf16"))
                 measure(f"scratch-{key}", scratch)
             except Exception as e:  # noqa: BLE001 - a bench reports a broken opt-in and goes on
-                failed[key] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                print(f"[plan --part gpu] {key} failed: {failed[key]}", file=sys.stderr, flush=True)
+                failed_on(key, e)
     # The scoring thread (`scores.worker`) on and off, whichever is the default: scores from the
     # prebuilt candidates, and what `calibrate --scores grad` runs, compute_scores building its own
     # candidates (with the thread, each group on first use there, while the model's passes run);
@@ -323,7 +327,7 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
         try:
             measure("scratch-ahead", scratch)
         except Exception as e:  # noqa: BLE001
-            failed["ahead"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            failed_on("ahead", e)
     default = "thread" if wanted() else "hooks"
 
     def moved(a: str, b: str) -> str:
