@@ -195,17 +195,21 @@ def bench_scores(samples: int, seq_len: int, batch_size: int, kl_groups: int, re
 OPT_INS = (
     ("loss", "the fused loss (`RESSERVE_FUSED_LOSS=1`)", {"RESSERVE_FUSED_LOSS": "1"}),
     ("norm", "the fused RMSNorms (`RESSERVE_FUSED_NORM=1`)", {"RESSERVE_FUSED_NORM": "1"}),
+    ("norm-bwd", "the RMSNorms' backward fused, their own forward (`RESSERVE_FUSED_NORM=backward`)", {"RESSERVE_FUSED_NORM": "backward"}),
     ("mlp", "the fused MLP activations (`RESSERVE_FUSED_MLP=1`)", {"RESSERVE_FUSED_MLP": "1"}),
     ("fused", "all three fused pieces", {"RESSERVE_FUSED_LOSS": "1", "RESSERVE_FUSED_NORM": "1", "RESSERVE_FUSED_MLP": "1"}),
     ("all", "all three fused pieces and the candidates built ahead", {"RESSERVE_FUSED_LOSS": "1", "RESSERVE_FUSED_NORM": "1", "RESSERVE_FUSED_MLP": "1", "RESSERVE_BUILD_AHEAD": "1"}),
 )
 
 
-def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int, smoke: bool = False, profile: bool = False) -> list[str]:
+def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int, smoke: bool = False, profile: bool = False,
+                     opt_ins: list[str] | None = None, skip: frozenset = frozenset()) -> list[str]:
     """Grad-scoring cost on one CUDA GPU: a random Qwen3-1.7B-shaped bf16 model on random tokens
     (the cost does not depend on the weights), against the calibration pass over the same batches.
     Each figure is also printed to stderr as soon as it is measured (a run cut short keeps them),
-    and an opt-in piece that fails is reported in the table instead of ending the run."""
+    and an opt-in piece that fails is reported in the table instead of ending the run. `opt_ins`:
+    the keys of `OPT_INS` to time (None: all); `skip`: rows left out to save device time
+    (``fp32``, ``eager``, ``thread``, ``ahead``)."""
     import torch
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -294,16 +298,19 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
     measure("floor", fwd_bwd)
     peaks["eager"] = peak(fwd_bwd)
     for prec in ("bf16", "fp32"):
-        measure(prec, scored(prec))
+        if prec not in skip:
+            measure(prec, scored(prec))
     # The bf16 path as it was before its Triton kernels (`scores.fused`): eager reductions and
     # operands, for the time and as the reference the kernels' scores are compared with.
     from resserve_export.algorithms.scores import fused
     from resserve_export.algorithms.scores.device import mm_f32_native
 
-    with mock.patch.object(fused, "available", lambda device: False):
-        measure("eager", scored("bf16"))
+    if "eager" not in skip:
+        with mock.patch.object(fused, "available", lambda device: False):
+            measure("eager", scored("bf16"))
     # Each opt-in piece alone, then all of them: the forward + backward, its peak, and the scores.
-    for key, _, env in OPT_INS:
+    chosen = [o for o in OPT_INS if opt_ins is None or o[0] in opt_ins]
+    for key, _, env in chosen:
         with mock.patch.dict(os.environ, env):
             try:
                 measure(f"floor-{key}", fwd_bwd)
@@ -320,14 +327,17 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
     from resserve_export.algorithms.scores.worker import wanted
 
     for flag, tag in (("0", "hooks"), ("1", "thread")):
+        if tag in skip:
+            continue
         with mock.patch.dict(os.environ, {"RESSERVE_SCORE_THREAD": flag}):
             measure(tag, scored("bf16"))
             measure(f"scratch-{tag}", scratch)
-    with mock.patch.dict(os.environ, {"RESSERVE_SCORE_THREAD": "0", "RESSERVE_BUILD_AHEAD": "1"}):
-        try:
-            measure("scratch-ahead", scratch)
-        except Exception as e:  # noqa: BLE001
-            failed_on("ahead", e)
+    if "ahead" not in skip:
+        with mock.patch.dict(os.environ, {"RESSERVE_SCORE_THREAD": "0", "RESSERVE_BUILD_AHEAD": "1"}):
+            try:
+                measure("scratch-ahead", scratch)
+            except Exception as e:  # noqa: BLE001
+                failed_on("ahead", e)
     default = "thread" if wanted() else "hooks"
 
     def moved(a: str, b: str) -> str:
@@ -339,7 +349,8 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
 
     def row(label: str, key: str, bold: bool = False) -> str:
         if key not in t:
-            return f"| {label} | failed | {failed.get(key.split('-')[-1], 'not run')} |"
+            why = failed.get(key.split("-", 1)[-1])
+            return f"| {label} | {'failed' if why else 'not run'} | {why or ''} |"
         r = f"{t[key] / t['calib']:.2f}"
         return f"| {label} | {t[key]:.3f} | {'**' + r + '**' if bold else r} |"
 
@@ -361,18 +372,18 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
         "| --- | --- | --- |",
         row("calibration pass (`calibrate.collect`)", "calib"),
         row("forward + backward of the loss alone, no score hooks", "floor"),
-        *(row(f"the same with {label}", f"floor-{key}") for key, label, _ in OPT_INS),
+        *(row(f"the same with {label}", f"floor-{key}") for key, label, _ in chosen),
         row("**grad scores, `precision=bf16` (the default for bf16 models)**", "bf16", bold=True),
         row(f"grad scores, bf16, scored inside the gradient hooks{' (the default)' if default == 'hooks' else ''}", "hooks"),
         row(f"grad scores, bf16, on the scoring thread{' (the default)' if default == 'thread' else ''}", "thread"),
-        *(row(f"grad scores, bf16, with {label}", f"grad-{key}") for key, label, _ in OPT_INS),
+        *(row(f"grad scores, bf16, with {label}", f"grad-{key}") for key, label, _ in chosen),
         row("grad scores, bf16, eager reductions and operands (no Triton kernels)", "eager"),
         row("grad scores, `precision=fp32` (FP32 emulation)", "fp32"),
         row("one-off weight quantization of every candidate, bf16 weight operands included", "build"),
         row("**grad scores + one-off quantization, timed apart**", "apart", bold=True),
         row("**grad scores from scratch** (`compute_scores` building its own candidates before the first batch, what `calibrate` runs), inside the hooks", "scratch-hooks", bold=True),
         row("grad scores from scratch, candidates built ahead on their own thread (`RESSERVE_BUILD_AHEAD=1`)", "scratch-ahead"),
-        *(row(f"grad scores from scratch with {label}", f"scratch-{key}") for key, label, _ in OPT_INS),
+        *(row(f"grad scores from scratch with {label}", f"scratch-{key}") for key, label, _ in chosen),
         row("grad scores from scratch, on the scoring thread (candidates built there on first use)", "scratch-thread"),
         "",
         "Peak GPU memory of the forward + backward (GiB): "
@@ -382,7 +393,7 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
         f"Triton kernels {'used' if kernels else 'NOT available (the bf16 rows ran eagerly)'}. Largest relative difference over "
         f"{len(groups) * len(RATIOS)} (group, ratio) scores against the eager bf16 path: {moved('bf16', 'eager')} "
         "(stated tolerance 2e-4: the same FP32 products summed in another order); "
-        + "; ".join(f"with {label}: {moved('bf16', f'grad-{key}')}" for key, label, _ in OPT_INS)
+        + "; ".join(f"with {label}: {moved('bf16', f'grad-{key}')}" for key, label, _ in chosen)
         + f"; from scratch with all four: {moved('bf16', 'scratch-all')} (the same run's default from scratch against the prebuilt: {moved('bf16', 'scratch-hooks')}); between the hooks and the thread: "
         f"{moved('hooks', 'thread')}, and from scratch: {', '.join(moved('bf16', k) for k in ('scratch-hooks', 'scratch-thread', 'scratch-ahead'))} "
         f"(the same operations), against {moved('bf16', 'hooks')} between two runs of the same setting "
@@ -418,6 +429,8 @@ def main() -> None:
     ap.add_argument("--gpu-seq-len", type=int, default=1024)
     ap.add_argument("--smoke", action="store_true", help="--part gpu on a tiny model (checks the script on a CPU)")
     ap.add_argument("--profile", action="store_true", help="--part gpu: also print torch.profiler tables of the one-off quantization and of one bf16 grad-scores run")
+    ap.add_argument("--opt-ins", default=None, help="--part gpu: comma-separated opt-in keys to time (" + ", ".join(k for k, _, _ in OPT_INS) + "; default all)")
+    ap.add_argument("--skip", default="", help="--part gpu: comma-separated rows to leave out (fp32, eager, thread, ahead)")
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=4)
@@ -441,7 +454,8 @@ def main() -> None:
     if args.part in ("all", "scores"):
         lines += bench_scores(args.samples, args.seq_len, args.batch_size, args.kl_groups, args.score_repeat) + [""]
     if args.part == "gpu":
-        lines += bench_scores_gpu(args.gpu_batches, args.gpu_batch_size, args.gpu_seq_len, args.score_repeat, args.smoke, args.profile) + [""]
+        lines += bench_scores_gpu(args.gpu_batches, args.gpu_batch_size, args.gpu_seq_len, args.score_repeat, args.smoke, args.profile,
+                                  None if args.opt_ins is None else args.opt_ins.split(","), frozenset(filter(None, args.skip.split(",")))) + [""]
     text = "\n".join(lines)
     print(text)
     if args.write:

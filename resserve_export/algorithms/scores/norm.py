@@ -15,17 +15,28 @@ most families) and Gemma's ``narrow(x · r · (1 + w))``, with r = rsqrt(mean(x�
 FP32 with the same roundings as the eager ops (the narrowing to bf16 is done on the bits, so the
 interpreter that the CPU tests run rounds as the GPU does), for bf16 and fp16 inputs. Which form, if any, a norm class
 computes is not taken on trust: on its first call in a `fused_norms` block the module's own
-forward runs too, and the class is fused only if one form gives its output within two units in
-the last place everywhere and bit for bit on at least 99% of the elements (the sum of squares
-runs in another order, so the last bit of a few outputs may differ); anything else, or a call
+forward and its autograd backward run too, and the class is fused only if one form gives its
+output and the input's gradient within two units in the last place everywhere and bit for bit
+on at least 99% of the elements (the sum of squares runs in another order, so the last bit of a
+few values may differ); anything else, or a call
 with more arguments, a weight that wants a gradient or a dtype mix the forms do not cover, takes
 the module's own forward.
 
-On CUDA with Triton (`available`), and with ``RESSERVE_FUSED_NORM=1`` (`wanted`: opt-in. On an
-H100 the model's forward + backward fell from 0.54 to 0.36 s, but the scores moved by up to 9e-4
-relative, beyond the 2e-4 of the default kernels, and the scores from scratch were no faster: they
-are bound by their host launches; bench/results/plan.md). ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (how the tests check
-them without a GPU); ``RESSERVE_BACKEND=reference`` forces the eager path.
+The forward kernel's sum of squares runs in another order than PyTorch's mean, so a few outputs
+differ in their last bit, and through the rest of the model that moves the scores: on an H100 by
+up to 9e-4 relative, beyond the 2e-4 of the default kernels (bench/results/plan.md). Hence a
+second mode, `_NormBackward`: the module's own forward (its output bits, so every activation the
+candidates quantize is as without fusion) and the backward kernel, which recomputes 1/rms from x
+and so keeps only x for the backward, not the eager chain's FP32 copies. The check on a class's
+first call then compares the input's gradient (under a fixed random output gradient) by the same
+rule.
+
+On CUDA with Triton (`available`), as `mode` says: ``RESSERVE_FUSED_NORM=1`` both kernels (on an
+H100 the model's forward + backward fell from 0.54 to 0.36 s, the scores moved as above, and the
+scores from scratch were no faster: they are bound by their host launches),
+``RESSERVE_FUSED_NORM=backward`` the backward kernel alone; both opt-in. ``TRITON_INTERPRET=1``
+runs the kernels on CPU tensors (how the tests check them without a GPU);
+``RESSERVE_BACKEND=reference`` forces the eager path.
 """
 
 from __future__ import annotations
@@ -78,14 +89,18 @@ def _kernels(triton, tl):
         tl.store(r_ptr + row, r)
 
     @triton.jit
-    def bwd(x_ptr, w_ptr, r_ptr, dy_ptr, dx_ptr, N, ld_x, ld_dy, ld_dx, GEMMA: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr):
+    def bwd(x_ptr, w_ptr, r_ptr, dy_ptr, dx_ptr, N, ld_x, ld_dy, ld_dx, eps, inv_n,
+            GEMMA: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr, RECOMPUTE: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         inside = cols < N
         x = tl.load(x_ptr + row * ld_x + cols, mask=inside, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + row * ld_dy + cols, mask=inside, other=0.0).to(tl.float32)
-        r = tl.load(r_ptr + row)
+        if RECOMPUTE:  # the forward was the module's own: the row's 1/rms from x, as `fwd` has it
+            r = tl.math.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)
+        else:
+            r = tl.load(r_ptr + row)
         # The eager chain's backward, step by step: the weight's product (rounded to the input's
         # dtype in Llama's form), then h = x·r, r = rsqrt(u) (−½·g·r³), u = mean(x²) (g / N) and
         # x² (g·2x), the two paths into x added, narrowed once.
@@ -108,9 +123,12 @@ def _kernels(triton, tl):
     return fwd, bwd
 
 
-def wanted() -> bool:
-    """Whether the grad scores fuse their RMSNorms where the kernels run: ``RESSERVE_FUSED_NORM=1``."""
-    return os.environ.get("RESSERVE_FUSED_NORM", "") == "1"
+def mode() -> str | None:
+    """How the grad scores fuse their RMSNorms where the kernels run: ``all`` (forward and
+    backward, ``RESSERVE_FUSED_NORM=1``), ``backward`` (the module's own forward, the backward
+    kernel: ``RESSERVE_FUSED_NORM=backward``) or None (their own forward and autograd)."""
+    flag = os.environ.get("RESSERVE_FUSED_NORM", "")
+    return "all" if flag == "1" else "backward" if flag == "backward" else None
 
 
 def available(device: torch.device) -> bool:
@@ -138,27 +156,62 @@ class _FusedNorm(torch.autograd.Function):
         r = torch.empty(rows, dtype=torch.float32, device=x.device)
         block = _next_power_of_2(N)
         if rows:
-            inv_n = float(torch.tensor(1.0, dtype=torch.float32) / N)  # mean's factor, as FP32
             with launch_device(x2):
-                fwd[(rows,)](x2, w, y, r, N, x2.stride(0), y.stride(0), eps, inv_n, GEMMA=gemma, KIND=_KIND[x.dtype], BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
+                fwd[(rows,)](x2, w, y, r, N, x2.stride(0), y.stride(0), eps, _inv(N), GEMMA=gemma, KIND=_KIND[x.dtype], BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
         ctx.save_for_backward(x2, w, r)
-        ctx.gemma, ctx.shape = gemma, x.shape
+        ctx.gemma, ctx.shape, ctx.eps = gemma, x.shape, eps
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        _, bwd = _kernels()
         x2, w, r = ctx.saved_tensors
-        rows, N = x2.shape
-        dy2 = dy.reshape(rows, N)
-        if dy2.stride(-1) != 1:
-            dy2 = dy2.contiguous()
-        dx = torch.empty_like(x2)
-        block = _next_power_of_2(N)
-        if rows:
-            with launch_device(x2):
-                bwd[(rows,)](x2, w, r, dy2, dx, N, x2.stride(0), dy2.stride(0), dx.stride(0), GEMMA=ctx.gemma, KIND=_KIND[x2.dtype], BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
-        return dx.view(ctx.shape), None, None, None
+        return _backward(x2, w, r, dy, ctx.eps, ctx.gemma).view(ctx.shape), None, None, None
+
+
+class _NormBackward(torch.autograd.Function):
+    """The module's own forward (its output bits), the fused kernel's backward: 1/rms is
+    recomputed there from x, so only x (already alive as the norm's input) is kept, not the
+    eager chain's FP32 copies."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps: float, gemma: bool, own):
+        y = own(x)
+        ctx.save_for_backward(x, w)
+        ctx.gemma, ctx.eps = gemma, eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        return _backward(x, w, None, dy, ctx.eps, ctx.gemma), None, None, None, None
+
+
+def _backward(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor | None, dy: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
+    """The input's gradient ``[rows, N]`` (x's dtype) through the backward kernel; r None: the
+    kernel recomputes each row's 1/rms from x."""
+    _, bwd = _kernels()
+    N = x.shape[-1]
+    x2 = x.reshape(-1, N)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    dy2 = dy.reshape(rows, N)
+    if dy2.stride(-1) != 1:
+        dy2 = dy2.contiguous()
+    dx = torch.empty((rows, N), dtype=x2.dtype, device=x2.device)
+    block = _next_power_of_2(N)
+    if rows:
+        with launch_device(x2):
+            bwd[(rows,)](
+                x2, w, x2 if r is None else r, dy2, dx, N, x2.stride(0), dy2.stride(0), dx.stride(0), eps, _inv(N),
+                GEMMA=gemma, KIND=_KIND[x2.dtype], BLOCK=block, RECOMPUTE=r is None, num_warps=_warps(block), enable_fp_fusion=False,
+            )
+    return dx.view(x.shape)
+
+
+def _inv(n: int) -> float:
+    """The mean's factor 1/n as an FP32 number (what the forward kernel and the recomputation use)."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / n)
 
 
 def _next_power_of_2(n: int) -> int:
@@ -177,6 +230,35 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str)
 def _fused(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str) -> torch.Tensor:
     """`fused_rms_norm` for a caller that has checked `_covered` itself (`fused_norms`, per call)."""
     return _FusedNorm.apply(x, weight.detach(), float(eps), form == "gemma")
+
+
+def _apply(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str, own, how: str) -> torch.Tensor:
+    """The norm of x in `form` as `how` (`mode`) has it; `own`: the module's own forward."""
+    if how == "all":
+        return _fused(x, weight, eps, form)
+    return _NormBackward.apply(x, weight.detach(), float(eps), form == "gemma", own)
+
+
+def _form_of(weight: torch.Tensor, eps: float, x: torch.Tensor, own, how: str) -> str | None:
+    """The form whose kernels stand for the module's own forward and its autograd backward on x
+    (`agrees`, for the output and for the input's gradient under a fixed random output gradient),
+    or None."""
+    xd = x.detach()
+    g = torch.Generator(device=xd.device).manual_seed(0)
+    with torch.enable_grad():
+        xw = xd.clone().requires_grad_(True)
+        want = own(xw)
+        dy = torch.randn(want.shape, generator=g, device=xd.device, dtype=torch.float32).to(want.dtype)
+        (gx_want,) = torch.autograd.grad(want, xw, dy)
+        for form in _FORMS:
+            if not _covered(xd, weight, form):
+                continue
+            xf = xd.clone().requires_grad_(True)
+            got = _apply(xf, weight, eps, form, own, how)
+            (gx,) = torch.autograd.grad(got, xf, dy)
+            if agrees(got.detach(), want.detach()) and agrees(gx, gx_want):
+                return form
+    return None
 
 
 def _eps_of(mod: nn.Module) -> float | None:
@@ -216,12 +298,13 @@ def agrees(y: torch.Tensor, want: torch.Tensor) -> bool:
 
 @contextmanager
 def fused_norms(model: nn.Module):
-    """Every RMSNorm of `model` through the kernels inside the block, where `wanted` and
+    """Every RMSNorm of `model` through the kernels inside the block, as `mode` says and where
     `available` (else nothing changes); each class's form is checked on its first call (module
     docstring). Restored on exit. Yields ``{norm class: form or None}`` as the calls decide them
     (None: the class keeps its own forward), or None where nothing is swapped."""
     norms = [(m, eps) for m in model.modules() if (eps := _eps_of(m)) is not None]
-    if not norms or not (wanted() and available(norms[0][0].weight.device)):
+    how = mode()
+    if not norms or how is None or not available(norms[0][0].weight.device):
         yield None
         return
     forms: dict[type, str | None] = {}
@@ -235,13 +318,11 @@ def fused_norms(model: nn.Module):
             x = args[0]
             cls = type(mod)
             if cls not in forms:
-                with torch.no_grad():
-                    want = own(x)
-                    forms[cls] = next((f for f in _FORMS if _covered(x, mod.weight, f) and agrees(_fused(x, mod.weight, eps, f), want)), None)
+                forms[cls] = _form_of(mod.weight, eps, x, own, how)
             form = forms[cls]
             if form is None or not _covered(x, mod.weight, form):
                 return own(x)
-            return _fused(x, mod.weight, eps, form)
+            return _apply(x, mod.weight, eps, form, own, how)
 
         return forward
 
