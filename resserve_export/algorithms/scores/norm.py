@@ -148,9 +148,7 @@ class _FusedNorm(torch.autograd.Function):
     def forward(ctx, x, w, eps: float, gemma: bool):
         fwd, _ = _kernels()
         N = x.shape[-1]
-        x2 = x.reshape(-1, N)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
+        x2 = _rows(x, N)
         rows = x2.shape[0]
         y = torch.empty((rows, N), dtype=x.dtype, device=x.device)
         r = torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -191,13 +189,8 @@ def _backward(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor | None, dy: torc
     kernel recomputes each row's 1/rms from x."""
     _, bwd = _kernels()
     N = x.shape[-1]
-    x2 = x.reshape(-1, N)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, dy2 = _rows(x, N), _rows(dy, N)
     rows = x2.shape[0]
-    dy2 = dy.reshape(rows, N)
-    if dy2.stride(-1) != 1:
-        dy2 = dy2.contiguous()
     dx = torch.empty((rows, N), dtype=x2.dtype, device=x2.device)
     block = _next_power_of_2(N)
     if rows:
@@ -207,6 +200,12 @@ def _backward(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor | None, dy: torc
                 GEMMA=gemma, KIND=_KIND[x2.dtype], BLOCK=block, RECOMPUTE=r is None, num_warps=_warps(block), enable_fp_fusion=False,
             )
     return dx.view(x.shape)
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """`t` as ``[rows, n]`` with unit column stride (a view where it already has one)."""
+    t2 = t.reshape(-1, n)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
 def _inv(n: int) -> float:
