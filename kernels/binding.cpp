@@ -1,4 +1,5 @@
-// Torch binding of the fused quantize-and-extend kernel (kernels/quantize_extend.cu).
+// Torch binding of the fused quantize-and-extend kernel (kernels/quantize_extend.cu) and of the
+// exact bf16 operand of FP4 codes (kernels/exact_operand.cu).
 // Built just in time by resserve_export.kernel through torch.utils.cpp_extension.load.
 // Outputs are passed in (the Python wrapper allocates them), so tests can poison them first.
 #include <torch/extension.h>
@@ -10,6 +11,9 @@ extern "C" int resserve_quantize_extend(const void* x, int is_bf16, int64_t M, i
                                         int KE, uint8_t* rcodes, uint8_t* rscales, int rows, int max_ctas,
                                         void* stream);
 extern "C" const char* resserve_error_string(int err);
+extern "C" int resserve_exact_bf16(const uint8_t* codes, int64_t codes_stride, const uint8_t* scales,
+                                   int64_t scales_stride, const float* factors, int64_t M, int64_t width, int block,
+                                   void* out, void* stream);
 
 namespace {
 
@@ -59,8 +63,35 @@ void quantize_extend_out(const at::Tensor& x, const at::Tensor& mask, const at::
   TORCH_CHECK(err == 0, "resserve quantize_extend failed: ", resserve_error_string(err));
 }
 
+// codes [M, width/2] and scales [M, width/block] (uint8, unit column stride, any row stride),
+// factors float32 [256] (each scale byte's value), out contiguous bf16 [M, width].
+void exact_bf16_out(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& factors, at::Tensor out,
+                    int64_t block) {
+  TORCH_CHECK(codes.is_cuda() && codes.dim() == 2 && codes.element_size() == 1 && codes.stride(1) == 1,
+              "codes must be a 2-D one-byte CUDA tensor with unit column stride");
+  const int64_t M = codes.size(0), width = 2 * codes.size(1);
+  TORCH_CHECK(block == 16 || block == 32, "block must be 16 or 32, got ", block);
+  TORCH_CHECK(width % block == 0, "width ", width, " must be a multiple of the block ", block);
+  TORCH_CHECK(scales.device() == codes.device() && scales.dim() == 2 && scales.element_size() == 1 &&
+                  scales.size(0) == M && scales.size(1) == width / block && scales.stride(1) == 1,
+              "scales must be a one-byte [", M, ", ", width / block, "] tensor with unit column stride on ", codes.device());
+  TORCH_CHECK(factors.device() == codes.device() && factors.scalar_type() == at::kFloat && factors.is_contiguous() &&
+                  factors.numel() == 256,
+              "factors must be a contiguous float32 [256] tensor on ", codes.device());
+  TORCH_CHECK(out.device() == codes.device() && out.scalar_type() == at::kBFloat16 && out.is_contiguous() &&
+                  out.dim() == 2 && out.size(0) == M && out.size(1) == width,
+              "out must be a contiguous bfloat16 [", M, ", ", width, "] tensor on ", codes.device());
+  const c10::cuda::CUDAGuard guard(codes.device());
+  const int err = resserve_exact_bf16(static_cast<const uint8_t*>(codes.data_ptr()), M ? codes.stride(0) : width / 2,
+                                      static_cast<const uint8_t*>(scales.data_ptr()), M ? scales.stride(0) : width / block,
+                                      factors.data_ptr<float>(), M, width, static_cast<int>(block), out.data_ptr(),
+                                      c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == 0, "resserve exact_bf16 failed: ", resserve_error_string(err));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_extend_out", &quantize_extend_out, "Fused FP4 quantize-and-extend (outputs passed in)");
+  m.def("exact_bf16_out", &exact_bf16_out, "bf16 operand of FP4 codes and block scales (output passed in)");
 }

@@ -7,6 +7,9 @@ returns. Backends: ``reference`` (the eager PyTorch functions, any device), ``cu
 in ``kernels/``, built just in time for the GPU present) and ``auto`` (the kernel for CUDA inputs
 when it can run, else the reference; ``RESSERVE_BACKEND=reference`` forces the reference).
 
+The same extension holds `exact_bf16`, the bf16 operand of FP4 codes and block scales that the
+grad scores' bf16 path multiplies (kernels/exact_operand.cu).
+
 Whether the kernel can run is decided once at import (`KERNEL_AVAILABLE`, with the reason in
 `KERNEL_UNAVAILABLE_REASON`); asking for ``backend="cuda"`` without it raises `KernelUnavailable`
 saying what is needed. The build itself happens on first use (about a minute) and is cached by
@@ -35,7 +38,7 @@ from resserve_export.formats.qtensor import FP4Tensor
 
 BACKENDS = ("auto", "cuda", "reference")
 _ROUNDING_CODE = {ScaleRounding.CEIL: 0, ScaleRounding.FLOOR: 1, ScaleRounding.EVEN: 2}
-_SOURCES = ("quantize_extend.cu", "binding.cpp")
+_SOURCES = ("quantize_extend.cu", "exact_operand.cu", "binding.cpp")
 # Compiler flags: no fast math, and no multiply fused into an add anywhere (the order of docs/formats.md, "NVFP4").
 CUDA_FLAGS = ("-O3", "-std=c++17", "-fmad=false")
 # Rows each thread loads before computing (1, 2 or 4): more bytes in flight per thread.
@@ -74,7 +77,7 @@ def _unavailable_reason() -> str | None:
     if torch.version.cuda is None or not torch.cuda.is_available():
         return "the fused kernel needs a CUDA GPU and a CUDA build of PyTorch"
     if kernels_dir() is None:
-        return "the kernel sources (kernels/quantize_extend.cu, kernels/binding.cpp) were not found; set RESSERVE_KERNELS_DIR"
+        return "the kernel sources (kernels/quantize_extend.cu, kernels/exact_operand.cu, kernels/binding.cpp) were not found; set RESSERVE_KERNELS_DIR"
 
     if CUDA_HOME is None and shutil.which("nvcc") is None:
         return "building the fused kernel needs the CUDA compiler nvcc (set CUDA_HOME)"
@@ -298,6 +301,17 @@ def extend_weight(
     return quantize(sel, fmt, alpha=alpha, rounding=rounding)
 
 
+def exact_bf16(codes: torch.Tensor, scales: torch.Tensor, factors: torch.Tensor, block: int) -> torch.Tensor:
+    """bf16 ``[M, width]``: each FP4 code's E2M1 value times its block's factor (``factors[scale
+    byte]``, FP32 ``[256]``), in one launch of the extension (kernels/exact_operand.cu). codes
+    ``[M, width/2]`` and scales ``[M, width/block]``: uint8 CUDA tensors with unit column stride
+    (row-strided views are read in place). The products are exact, so these are the bits of
+    `emulate.exact_operand` and of `scores.fused.exact_bf16`'s Triton kernel."""
+    out = torch.empty((codes.shape[0], 2 * codes.shape[1]), dtype=torch.bfloat16, device=codes.device)
+    _extension().exact_bf16_out(codes, scales, factors, out, block)
+    return out
+
+
 def quantize_extend_raw(x: torch.Tensor, mask, ksel: int, fmt: str, alpha, rounding, K_E: int, out, rows=None, max_ctas=None) -> None:
     """Launch into caller-provided uint8 outputs (tests poison them; the benchmark reuses them).
 
@@ -314,6 +328,7 @@ __all__ = [
     "KERNEL_UNAVAILABLE_REASON",
     "KernelUnavailable",
     "backend_for",
+    "exact_bf16",
     "kernels_dir",
     "quantize_extend",
     "quantize_full",

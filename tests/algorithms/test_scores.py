@@ -635,22 +635,36 @@ def test_gpu_fused_reduction_matches_eager(gen):
 
 @pytest.mark.gpu
 @triton_gpu
+@pytest.mark.parametrize("backend", ["triton", "extension"])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_gpu_fused_operands_are_bit_identical(fmt):
+def test_gpu_fused_operands_are_bit_identical(fmt, backend):
+    """The bf16 operands of `fused.exact_bf16` through the Triton kernel and through the CUDA
+    extension: the bits of `emulate.exact_operand` (compared as integers, so -0 is not +0)."""
+    from resserve_export.algorithms import kernel
     from resserve_export.formats import registry
     from resserve_export.algorithms.emulate import exact_operand
     from resserve_export.formats.ops import quantize
     from resserve_export.formats.qtensor import FP4Tensor
     from resserve_export.algorithms.scores import fused
 
+    if backend == "extension" and not kernel.KERNEL_AVAILABLE:
+        pytest.skip(kernel.KERNEL_UNAVAILABLE_REASON)
     f = registry.get(fmt)
     x = torch.randn(300, 512, device="cuda") * 5
     x[:, 3] *= 60
+    x[:7, 4:16] = -1e-6  # codes of -0 beside column 3's large values in their block
+    x[7:9] = 0.0  # all-zero rows
     q = quantize(x, fmt, backend="reference")
-    assert torch.equal(fused.exact_bf16(q, f), exact_operand(q))
+    bits = lambda t: t.view(torch.int16)  # noqa: E731
+
+    assert bool((q.codes == 0x88).any())  # the -0 codes are there
+    assert torch.equal(bits(fused.exact_bf16(q, f, backend)), bits(exact_operand(q)))
     # A column slice of the codes (how the fused CUDA kernel's [X̂ | R̂_S] is split).
     s = FP4Tensor(q.fmt, q.codes[:, 128:], q.scales[:, 256 // f.block :], q.global_scale)
-    assert torch.equal(fused.exact_bf16(s, f), exact_operand(s))
+    assert torch.equal(bits(fused.exact_bf16(s, f, backend)), bits(exact_operand(s)))
+    # No rows: an empty operand, no launch.
+    e = FP4Tensor(q.fmt, q.codes[:0], q.scales[:0], q.global_scale)
+    assert fused.exact_bf16(e, f, backend).shape == (0, 512)
 
 
 @pytest.mark.gpu

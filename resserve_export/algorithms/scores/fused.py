@@ -24,6 +24,7 @@ checked without a GPU).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -183,13 +184,19 @@ def scale_factors(fmt, device: torch.device) -> torch.Tensor:
     return lut
 
 
-def exact_bf16(q, fmt) -> torch.Tensor:
+def exact_bf16(q, fmt, backend: str = "auto") -> torch.Tensor:
     """`emulate.exact_operand(q)` (bf16, α factored out), bit for bit, in one kernel: q an
     `FP4Tensor` of 2-D codes ``[M, width/2]`` (row-strided views allowed, e.g. a column slice of
     the fused kernel's ``[X̂ | R̂_S]``), `fmt` its `registry.Format`. The block factors come from
-    `scale_factors` (the format's decoder, once), the E2M1 values from `fp4.e2m1_table`."""
+    `scale_factors` (the format's decoder, once), the E2M1 values from `fp4.e2m1_table`.
 
-    _, _, (_, kernel) = _triton()
+    `backend`: ``extension`` launches the project's CUDA extension (`kernel.exact_bf16`; a C++
+    call costs the host ≈ 13 µs where this Triton kernel's launch cost ≈ 70 µs on an H100 host,
+    and the grad scores make four of these per group and batch: bench/results/plan.md),
+    ``triton`` this module's kernel; ``auto`` the extension where `kernel.KERNEL_AVAILABLE`,
+    unless ``RESSERVE_EXACT_OPERAND=triton`` (what the bench compares against)."""
+    from resserve_export.algorithms import kernel as ext
+
     codes, scales = q.codes, q.scales
     if codes.dim() != 2 or codes.stride(-1) != 1:
         codes = codes.reshape(-1, codes.shape[-1]).contiguous()
@@ -197,9 +204,18 @@ def exact_bf16(q, fmt) -> torch.Tensor:
     scales = scales.reshape(M, width // fmt.block).view(torch.uint8)
     if scales.stride(-1) != 1:
         scales = scales.contiguous()
+    if M == 0:
+        return torch.empty((0, width), dtype=torch.bfloat16, device=codes.device)
+    factors = scale_factors(fmt, codes.device)
+    if backend == "auto":
+        on_ext = ext.KERNEL_AVAILABLE and codes.is_cuda and os.environ.get("RESSERVE_EXACT_OPERAND", "") != "triton"
+        backend = "extension" if on_ext else "triton"
+    if backend == "extension":
+        return ext.exact_bf16(codes, scales, factors, fmt.block)
+    _, _, (_, kernel) = _triton()
     out = torch.empty((M, width), dtype=torch.bfloat16, device=codes.device)
     kernel[(M, -(-width // _COLS))](
-        codes, scales, scale_factors(fmt, codes.device), e2m1_table(codes.device), out, width, codes.stride(0), scales.stride(0),
+        codes, scales, factors, e2m1_table(codes.device), out, width, codes.stride(0), scales.stride(0),
         BLOCK_Q=fmt.block, COLS=_COLS, num_warps=4,
     )
     return out
