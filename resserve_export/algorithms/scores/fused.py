@@ -193,8 +193,10 @@ def exact_bf16(q, fmt, backend: str = "auto") -> torch.Tensor:
     `backend`: ``extension`` launches the project's CUDA extension (`kernel.exact_bf16`; a C++
     call costs the host ≈ 13 µs where this Triton kernel's launch cost ≈ 70 µs on an H100 host,
     and the grad scores make four of these per group and batch: bench/results/plan.md),
-    ``triton`` this module's kernel; ``auto`` the extension where `kernel.KERNEL_AVAILABLE`,
-    unless ``RESSERVE_EXACT_OPERAND=triton`` (what the bench compares against)."""
+    ``triton`` this module's kernel; ``auto`` this module's kernel, or the extension with
+    ``RESSERVE_EXACT_OPERAND=extension`` where `kernel.KERNEL_AVAILABLE` (opt-in: it has not run
+    on a GPU yet; its GPU test compares both backends bit for bit, and `bench/plan.py --opt-ins
+    exact-ext` times it against this kernel)."""
     from resserve_export.algorithms import kernel as ext
 
     codes, scales = q.codes, q.scales
@@ -208,7 +210,7 @@ def exact_bf16(q, fmt, backend: str = "auto") -> torch.Tensor:
         return torch.empty((0, width), dtype=torch.bfloat16, device=codes.device)
     factors = scale_factors(fmt, codes.device)
     if backend == "auto":
-        on_ext = ext.KERNEL_AVAILABLE and codes.is_cuda and os.environ.get("RESSERVE_EXACT_OPERAND", "") != "triton"
+        on_ext = ext.KERNEL_AVAILABLE and codes.is_cuda and os.environ.get("RESSERVE_EXACT_OPERAND", "") == "extension"
         backend = "extension" if on_ext else "triton"
     if backend == "extension":
         return ext.exact_bf16(codes, scales, factors, fmt.block)
