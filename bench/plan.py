@@ -210,7 +210,7 @@ def bench_scores_gpu(batches_n: int, batch_size: int, seq_len: int, repeat: int,
     Each figure is also printed to stderr as soon as it is measured (a run cut short keeps them),
     and an opt-in piece that fails is reported in the table instead of ending the run. `opt_ins`:
     the keys of `OPT_INS` to time (None: all); `skip`: rows left out to save device time
-    (``fp32``, ``eager``, ``thread``, ``ahead``)."""
+    (``fp32``, ``eager``, ``hooks``, ``thread``, ``ahead``)."""
     import torch
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -431,7 +431,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="--part gpu on a tiny model (checks the script on a CPU)")
     ap.add_argument("--profile", action="store_true", help="--part gpu: also print torch.profiler tables of the one-off quantization and of one bf16 grad-scores run")
     ap.add_argument("--opt-ins", default=None, help="--part gpu: comma-separated opt-in keys to time (" + ", ".join(k for k, _, _ in OPT_INS) + "; default all)")
-    ap.add_argument("--skip", default="", help="--part gpu: comma-separated rows to leave out (fp32, eager, thread, ahead)")
+    ap.add_argument("--skip", default="", help="--part gpu: comma-separated rows to leave out (fp32, eager, hooks, thread, ahead)")
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=4)

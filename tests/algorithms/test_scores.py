@@ -633,6 +633,17 @@ def test_gpu_fused_reduction_matches_eager(gen):
         assert torch.allclose(B.grad_sq_sums_split(g, p, y, c, *es), fused.sq_sums(g, p, y, c, *es), rtol=0, atol=0)  # CUDA takes the kernel
 
 
+def test_exact_operand_refuses_an_unknown_backend():
+    """A misspelt backend is an error before anything runs, not a silent fall back to Triton."""
+    from resserve_export.formats import registry
+    from resserve_export.formats.ops import quantize
+    from resserve_export.algorithms.scores import fused
+
+    q = quantize(torch.randn(4, 32), "nvfp4", backend="reference")
+    with pytest.raises(ValueError, match="unknown backend 'cuda', available: \\['auto', 'extension', 'triton'\\]"):
+        fused.exact_bf16(q, registry.get("nvfp4"), "cuda")
+
+
 @pytest.mark.gpu
 @triton_gpu
 @pytest.mark.parametrize("backend", ["triton", "extension"])

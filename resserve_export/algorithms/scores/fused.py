@@ -28,6 +28,7 @@ import os
 
 import torch
 
+from resserve_export.algorithms import kernel as ext
 from resserve_export.core.compiling import kernel_available, triton_modules
 from resserve_export.formats.fp4 import e2m1_table
 
@@ -184,6 +185,9 @@ def scale_factors(fmt, device: torch.device) -> torch.Tensor:
     return lut
 
 
+_EXACT_BACKENDS = ("auto", "extension", "triton")
+
+
 def exact_bf16(q, fmt, backend: str = "auto") -> torch.Tensor:
     """`emulate.exact_operand(q)` (bf16, α factored out), bit for bit, in one kernel: q an
     `FP4Tensor` of 2-D codes ``[M, width/2]`` (row-strided views allowed, e.g. a column slice of
@@ -197,8 +201,8 @@ def exact_bf16(q, fmt, backend: str = "auto") -> torch.Tensor:
     ``RESSERVE_EXACT_OPERAND=extension`` where `kernel.KERNEL_AVAILABLE` (opt-in: it has not run
     on a GPU yet; its GPU test compares both backends bit for bit, and `bench/plan.py --opt-ins
     exact-ext` times it against this kernel)."""
-    from resserve_export.algorithms import kernel as ext
-
+    if backend not in _EXACT_BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}, available: {list(_EXACT_BACKENDS)}")
     codes, scales = q.codes, q.scales
     if codes.dim() != 2 or codes.stride(-1) != 1:
         codes = codes.reshape(-1, codes.shape[-1]).contiguous()

@@ -44,6 +44,7 @@ runs the kernels on CPU tensors (how the tests check them without a GPU);
 
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
 
@@ -211,6 +212,7 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
+@functools.lru_cache(maxsize=None)
 def _inv(n: int) -> float:
     """The mean's factor 1/n as an FP32 number (what the forward kernel and the recomputation use)."""
     return float(torch.tensor(1.0, dtype=torch.float32) / n)
