@@ -197,7 +197,7 @@ OPT_INS = (
     ("norm", "the fused RMSNorms (`RESSERVE_FUSED_NORM=1`)", {"RESSERVE_FUSED_NORM": "1"}),
     ("norm-bwd", "the RMSNorms' backward fused, their own forward (`RESSERVE_FUSED_NORM=backward`)", {"RESSERVE_FUSED_NORM": "backward"}),
     ("mlp", "the fused MLP activations (`RESSERVE_FUSED_MLP=1`)", {"RESSERVE_FUSED_MLP": "1"}),
-    ("exact-ext", "the exact bf16 operands through the CUDA extension, not the Triton kernel (`RESSERVE_EXACT_OPERAND=extension`)", {"RESSERVE_EXACT_OPERAND": "extension"}),
+    ("exact-triton", "the exact bf16 operands through the Triton kernel, not the CUDA extension (`RESSERVE_EXACT_OPERAND=triton`)", {"RESSERVE_EXACT_OPERAND": "triton"}),
     ("fused", "all three fused pieces", {"RESSERVE_FUSED_LOSS": "1", "RESSERVE_FUSED_NORM": "1", "RESSERVE_FUSED_MLP": "1"}),
     ("all", "all three fused pieces and the candidates built ahead", {"RESSERVE_FUSED_LOSS": "1", "RESSERVE_FUSED_NORM": "1", "RESSERVE_FUSED_MLP": "1", "RESSERVE_BUILD_AHEAD": "1"}),
 )

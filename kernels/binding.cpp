@@ -14,7 +14,6 @@ extern "C" const char* resserve_error_string(int err);
 extern "C" int resserve_exact_bf16(const uint8_t* codes, int64_t codes_stride, const uint8_t* scales,
                                    int64_t scales_stride, const float* factors, int64_t M, int64_t width, int block,
                                    void* out, void* stream);
-
 namespace {
 
 uint8_t* bytes_or_null(const at::Tensor& t) {
@@ -89,9 +88,60 @@ void exact_bf16_out(const at::Tensor& codes, const at::Tensor& scales, const at:
   TORCH_CHECK(err == 0, "resserve exact_bf16 failed: ", resserve_error_string(err));
 }
 
+// The grad scores' bf16 operands of one activation x [M, K] in one call (what
+// `Candidates._prepare_with_kernel` composes from `quantize_extend`, `quantize_full` and
+// `exact_bf16`, with the same launches, so the same bits): for each compensated ratio in order,
+// ksel 1/2/4 (K-Ext of width widths[i], masks[i] its uint8 [K/8] selection) or 8 (full), one
+// quantize-and-extend launch and one operand launch. Returns [X̂', R̂'_1, …]: X̂' from the first
+// ratio's launch (a column view of the same bf16 tensor as R̂'_1 when that ratio is K-Ext).
+// alpha: the NVFP4 input scale (float32 scalar on x's device; ignored for MXFP4); factors: the
+// format's 256 scale-byte values (float32, `scores.fused.scale_factors`).
+std::vector<at::Tensor> prepare_operands(const at::Tensor& x, const std::vector<at::Tensor>& masks,
+                                         const std::vector<int64_t>& ksels, const std::vector<int64_t>& widths,
+                                         const at::Tensor& alpha, const at::Tensor& factors, int64_t fmt,
+                                         int64_t rounding, int64_t rows, int64_t max_ctas) {
+  TORCH_CHECK(!ksels.empty() && ksels.size() == widths.size() && ksels.size() == masks.size(),
+              "one mask, ksel and width per compensated ratio, at least one");
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2, "x must be a 2-D CUDA tensor");
+  const int64_t M = x.size(0), K = x.size(1), B = fmt == 0 ? 16 : 32;
+  // The kernel reads x in 16-byte vectors: contiguous and aligned, as `kernel._prepare` makes it.
+  const at::Tensor xc = !x.is_contiguous() ? x.contiguous()
+                        : reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 ? x.clone()
+                                                                          : x;
+  const auto u8 = x.options().dtype(at::kByte);
+  const at::Tensor none = at::empty({0}, u8), none2 = at::empty({0, 0}, u8);
+  std::vector<at::Tensor> out{at::Tensor()};
+  for (size_t i = 0; i < ksels.size(); ++i) {
+    const int64_t ksel = ksels[i], KE = ksel == 8 ? 0 : widths[i];
+    TORCH_CHECK(ksel == 1 || ksel == 2 || ksel == 4 || ksel == 8, "ksel must be 1, 2, 4 or 8, got ", ksel);
+    at::Tensor codes = at::empty({M, (K + KE) / 2}, u8), scales = at::empty({M, (K + KE) / B}, u8);
+    at::Tensor rcodes = ksel == 8 ? at::empty({M, K / 2}, u8) : none2;
+    at::Tensor rscales = ksel == 8 ? at::empty({M, K / B}, u8) : none2;
+    quantize_extend_out(xc, ksel == 8 ? none : masks[i], alpha, codes, scales, rcodes, rscales, ksel, fmt, rounding, KE,
+                        rows, max_ctas);
+    auto operand = [&](const at::Tensor& c, const at::Tensor& sc) {
+      at::Tensor o = at::empty({M, 2 * c.size(1)}, x.options().dtype(at::kBFloat16));
+      exact_bf16_out(c, sc, factors, o, B);
+      return o;
+    };
+    if (ksel == 8) {
+      if (!out[0].defined()) out[0] = operand(codes, scales);
+      out.push_back(operand(rcodes, rscales));
+    } else if (!out[0].defined()) {  // [X̂' | R̂'] in one operand launch; both are column views of it
+      const at::Tensor both = operand(codes, scales);
+      out[0] = both.narrow(1, 0, K);
+      out.push_back(both.narrow(1, K, KE));
+    } else {
+      out.push_back(operand(codes.narrow(1, K / 2, KE / 2), scales.narrow(1, K / B, KE / B)));
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_extend_out", &quantize_extend_out, "Fused FP4 quantize-and-extend (outputs passed in)");
   m.def("exact_bf16_out", &exact_bf16_out, "bf16 operand of FP4 codes and block scales (output passed in)");
+  m.def("prepare_operands", &prepare_operands, "The grad scores' bf16 operands of one activation, every ratio in one call");
 }

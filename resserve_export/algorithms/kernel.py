@@ -8,7 +8,8 @@ in ``kernels/``, built just in time for the GPU present) and ``auto`` (the kerne
 when it can run, else the reference; ``RESSERVE_BACKEND=reference`` forces the reference).
 
 The same extension holds `exact_bf16`, the bf16 operand of FP4 codes and block scales that the
-grad scores' bf16 path multiplies (kernels/exact_operand.cu).
+grad scores' bf16 path multiplies (kernels/exact_operand.cu), and `prepare_operands`, a group's
+whole preparation of one activation (its quantizations and operands) in one call.
 
 Whether the kernel can run is decided once at import (`KERNEL_AVAILABLE`, with the reason in
 `KERNEL_UNAVAILABLE_REASON`); asking for ``backend="cuda"`` without it raises `KernelUnavailable`
@@ -301,6 +302,39 @@ def extend_weight(
     return quantize(sel, fmt, alpha=alpha, rounding=rounding)
 
 
+def extend_weights(
+    weight: torch.Tensor, masks: list, ratios: list[float], fmt: str, rounding: ScaleRounding | str = ScaleRounding.CEIL,
+    alpha: torch.Tensor | None = None,
+) -> tuple[FP4Tensor | None, list[int]]:
+    """The K-Ext extensions of `weight` ``[N, K]`` at several `ratios` (one uint8 ``[K/8]`` mask
+    each) as one quantization: ``([W_S1 | 0 | W_S2 | 0 | …]`` quantized, the column offset of each
+    ratio's extension in it). A ratio's extension is the column block ``[offset, offset + K_E)``:
+    every K_E is a multiple of the block, blocks are quantized on their own and α is given, so
+    each block is the bits of `extend_weight` for that ratio alone (tested). One gather and one
+    quantization (one launch on CUDA) instead of one of each per ratio. None where no ratio has
+    an extension (plain and full)."""
+    K = weight.shape[-1]
+    widths = [kext.ext_width(K, r, fmt) for r in ratios]
+    offsets = [sum(widths[:i]) for i in range(len(widths))]
+    if not sum(widths):
+        return None, offsets
+    if alpha is None:
+        alpha = registry.get(fmt).tensor_alpha(weight)
+    # Each ratio's selected channels, then K (a zero column appended) up to its width: one index
+    # vector for all of them, one copy to the device.
+    idx = []
+    for m, w in zip(masks, widths):
+        if w:
+            sel = mask_to_indices(m).cpu()
+            idx += [sel, torch.full((w - sel.numel(),), K, dtype=sel.dtype)]
+    idx = torch.cat(idx).to(weight.device)
+    padded = torch.cat([weight, weight.new_zeros((*weight.shape[:-1], 1))], dim=-1)
+    sel = padded.index_select(-1, idx)
+    if sel.device.type == "cpu":  # the reference's FP32 gather (`kext.compact`): the same values
+        sel = sel.float()
+    return quantize(sel, fmt, alpha=alpha, rounding=rounding), offsets
+
+
 def exact_bf16(codes: torch.Tensor, scales: torch.Tensor, factors: torch.Tensor, block: int) -> torch.Tensor:
     """bf16 ``[M, width]``: each FP4 code's E2M1 value times its block's factor (``factors[scale
     byte]``, FP32 ``[256]``), in one launch of the extension (kernels/exact_operand.cu). codes
@@ -310,6 +344,24 @@ def exact_bf16(codes: torch.Tensor, scales: torch.Tensor, factors: torch.Tensor,
     out = torch.empty((codes.shape[0], 2 * codes.shape[1]), dtype=torch.bfloat16, device=codes.device)
     _extension().exact_bf16_out(codes, scales, factors, out, block)
     return out
+
+
+def prepare_operands(x: torch.Tensor, masks: list, ksels: list[int], widths: list[int], fmt: str, alpha, rounding, factors: torch.Tensor) -> list[torch.Tensor]:
+    """The grad scores' bf16 operands of activation x ``[M, K]`` (bf16/fp16 CUDA) for a group's
+    compensated ratios in one call of the extension: ``[X̂', R̂'_1, …]``, the launches and bits of
+    `quantize_extend` / `quantize_full` followed by `exact_bf16` (``ksels``: 1, 2, 4 for K-Ext of
+    the given ``widths`` with its uint8 ``[K/8]`` mask on x's device, 8 for full; ``alpha`` the
+    NVFP4 input scale as an FP32 scalar on x's device, None for MXFP4; ``factors`` the format's
+    scale-byte values, `scores.fused.scale_factors`). X̂' and the first K-Ext R̂' are column
+    views of one tensor."""
+    f = registry.get(fmt)
+    dev = x.device
+    spare = _spare(dev)
+    return _extension().prepare_operands(
+        x, [spare[0] if m is None else m for m in masks], list(ksels), list(widths), spare[3] if alpha is None else alpha,
+        factors, f.kernel_code, _ROUNDING_CODE[ScaleRounding(rounding)], DEFAULT_ROWS,
+        default_max_ctas(dev.index if dev.index is not None else torch.cuda.current_device()),
+    )
 
 
 def quantize_extend_raw(x: torch.Tensor, mask, ksel: int, fmt: str, alpha, rounding, K_E: int, out, rows=None, max_ctas=None) -> None:
@@ -335,4 +387,6 @@ __all__ = [
     "quantize_extend_raw",
     "quantize",
     "extend_weight",
+    "extend_weights",
+    "prepare_operands",
 ]

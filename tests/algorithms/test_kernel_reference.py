@@ -130,3 +130,29 @@ def test_mask_check_counts_bits_only_when_asked():
     assert torch.equal(kernel._check_mask(wrong.reshape(4, 8), 256, 2, torch.device("cpu")), wrong)
     with pytest.raises(ValueError, match="uint8"):
         kernel._check_mask(wrong[:31], 256, 2, torch.device("cpu"), count=False)
+
+
+@pytest.mark.parametrize("fmt,rounding", [("nvfp4", "ceil"), ("mxfp4", "ceil"), ("mxfp4", "floor"), ("mxfp4", "even")])
+def test_every_extension_in_one_quantization_is_each_ratio_alone(fmt, rounding):
+    """`kernel.extend_weights` (the candidates' build: all K-Ext ratios in one gather and one
+    quantization) gives each ratio's `kext.extend_weight` codes and scale bytes in its column
+    block, -0 and all-zero blocks included; plain and full ratios have no block."""
+    from resserve_export.formats import registry
+
+    gen = torch.Generator().manual_seed(7)
+    w = adversarial(96, 512, torch.bfloat16, gen)
+    w[:4, :64] = -1e-30  # blocks that quantize to -0
+    w[4:6] = 0.0
+    f = registry.get(fmt)
+    alpha = f.weight_alpha([w])
+    ratios = [0.125, 0.25, 0.5]
+    masks = [random_mask(512, k, gen) for k in (1, 2, 4)]
+    every, offsets = kernel.extend_weights(w, masks, ratios, fmt, rounding, alpha=alpha)
+    assert every.shape == (96, sum(kext.ext_width(512, r, fmt) for r in ratios))
+    for ratio, mask, o in zip(ratios, masks, offsets):
+        want = kext.extend_weight(w, mask, ratio, fmt, rounding, alpha=alpha)
+        n = want.shape[-1]
+        assert torch.equal(every.codes[:, o // 2 : (o + n) // 2], want.codes)
+        assert torch.equal(every.scales.view(torch.uint8)[:, o // f.block : (o + n) // f.block], want.scales.view(torch.uint8))
+    none, offsets = kernel.extend_weights(w, [None, None], [0.0, 1.0], fmt, rounding, alpha=alpha)
+    assert none is None and offsets == [0, 0]

@@ -390,7 +390,7 @@ def test_split_reduction_compiled_matches_eager(gen):
     c = torch.tensor(0.37)
     want = B._sq_sums_split_eager(g.bfloat16(), p, y, c, *es)
     got = B.grad_sq_sums_split(g.bfloat16(), p, y, c, *es)
-    assert torch.allclose(got, want, rtol=1e-5, atol=0)
+    assert got.dtype == torch.float64 and torch.allclose(got, want.double(), rtol=1e-5, atol=0)
     # What it computes: Σ (g (c·p − y + c·e))² per e, the plain one first.
     gf = g.bfloat16().double()
     ref = [((gf * (c.double() * p.double() - y.double() + c.double() * e)) ** 2).sum() for e in [0.0] + [e.double() for e in es]]
@@ -434,21 +434,40 @@ def test_bytes_per_weight_estimate_covers_the_candidates(split):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("resserve_export.algorithms.kernel").algorithms.kernel.KERNEL_AVAILABLE, reason="needs a CUDA GPU and nvcc for the fused kernel")
+@pytest.mark.parametrize("operands", ["triton", "extension"])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_fast_prepare_with_the_kernel_is_bit_identical(tiny, fmt):
+def test_fast_prepare_with_the_kernel_is_bit_identical(tiny, fmt, operands, monkeypatch):
     """On a GPU `prepare_fast` quantizes through the fused kernel: the same operands as the eager
-    reference, bit for bit, and what `auto` picks for bf16 CUDA inputs."""
+    reference, bit for bit (as integers: -0 is not +0), and what `auto` picks for bf16 CUDA
+    inputs; through the CUDA extension (the default) every launch of a group's preparation in one
+    C++ call (`kernel.prepare_operands`), on aligned, misaligned and row-strided inputs."""
+    from resserve_export.algorithms import kernel
+    from resserve_export.algorithms.scores import fused
+
+    monkeypatch.setenv("RESSERVE_EXACT_OPERAND", operands)
+    calls = []
+    if operands == "extension":
+        real = kernel.prepare_operands
+        monkeypatch.setattr(kernel, "prepare_operands", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert fused.extension_operands(torch.device("cuda")) == (operands == "extension")
+    bits = lambda t: t.view(torch.int16)  # noqa: E731
     model, groups, _, stats, _ = tiny
     cands = S.build_candidates(model, groups, stats, RATIOS, fmt=fmt)
     for g in (groups[0], groups[3]):  # K = 64 (three members) and K = 128
         c = cands[g.modules]
-        x = (torch.randn(300, c.linears[0].in_features) * 3).bfloat16().cuda()
-        assert B.prepare_backend(x) == "kernel"
-        for split in (False, True):
-            a0, ea = c.prepare_fast(x, backend="reference", split=split)
-            b0, eb = c.prepare_fast(x, backend="kernel", split=split)
-            _assert_same_operands(a0, b0)
-            assert set(ea) == set(eb) and all(torch.equal(ea[r], eb[r]) for r in ea)
+        K = c.linears[0].in_features
+        wide = (torch.randn(300, 2 * K + 8) * 3).bfloat16().cuda()
+        wide[:5, :16] = -1e-30  # blocks that quantize to -0
+        for x in (wide[:, :K].contiguous(), wide.view(-1)[1 : 1 + 300 * K].view(300, K), wide[:, 8 : 8 + K]):
+            assert B.prepare_backend(x) == ("kernel" if x.is_contiguous() else "reference")
+            for split in (False, True):
+                a0, ea = c.prepare_fast(x, backend="reference", split=split)
+                b0, eb = c.prepare_fast(x, backend="kernel", split=split)
+                _assert_same_operands(a0, b0)
+                xa, xb = (a0[0], b0[0]) if split else (a0, b0)
+                assert torch.equal(bits(xa.contiguous()), bits(xb.contiguous()))
+                assert set(ea) == set(eb) and all(torch.equal(bits(ea[r].contiguous()), bits(eb[r].contiguous())) for r in ea)
+    assert bool(calls) == (operands == "extension")
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -618,6 +637,8 @@ triton_gpu = pytest.mark.skipif(not torch.cuda.is_available() or not __import__(
 @pytest.mark.gpu
 @triton_gpu
 def test_gpu_fused_reduction_matches_eager(gen):
+    """`fused.sq_sums` against the eager sums, flat and on row-strided column blocks, written and
+    added to a total; the same bits on a second call."""
     from resserve_export.algorithms.scores import fused
 
     for n, ne in [(5000, 4), (70001, 2), (1, 0), (3 * 16384, 3)]:
@@ -629,8 +650,27 @@ def test_gpu_fused_reduction_matches_eager(gen):
             (fused.sq_sums(g, p, y, c, *es), B._sq_sums_split_eager(g, p, y, c, *es)),
             (fused.sq_sums(g, d0.bfloat16(), None, None, *es), B._sq_sums_eager(g, d0.bfloat16(), *es)),
         ]:
-            assert got.shape == (1 + ne,) and torch.allclose(got.double(), want.double(), rtol=1e-5, atol=0), (n, ne, got, want)
-        assert torch.allclose(B.grad_sq_sums_split(g, p, y, c, *es), fused.sq_sums(g, p, y, c, *es), rtol=0, atol=0)  # CUDA takes the kernel
+            assert got.shape == (1 + ne,) and got.dtype == torch.float64
+            assert torch.allclose(got, want.double(), rtol=1e-5, atol=0), (n, ne, got, want)
+        again = fused.sq_sums(g, p, y, c, *es)
+        assert torch.equal(again, fused.sq_sums(g, p, y, c, *es))  # a fixed order
+        total = torch.full((1 + ne,), 0.5, dtype=torch.float64, device="cuda")
+        assert fused.sq_sums(g, p, y, c, *es, out=total) is total
+        assert torch.equal(total, again + 0.5)
+    # Row-strided column blocks of wider tensors, as a group's stacked products are read, and
+    # residue products with row strides of their own.
+    M, N = 300, 700
+    g = torch.randn(M, N, generator=gen).bfloat16().cuda()
+    wide_p = torch.randn(M, 3 * N, generator=gen).cuda()
+    y = torch.randn(M, N, generator=gen).cuda()
+    e0 = torch.randn(M, 2 * N, generator=gen).bfloat16().cuda()[:, N:]
+    e1 = torch.randn(M, 4 * N, generator=gen).bfloat16().cuda()[:, :N]
+    p = wide_p[:, N : 2 * N]
+    c = torch.tensor(1.7).cuda()
+    got = fused.sq_sums(g, p, y, c, e0, e1)
+    want = B._sq_sums_split_eager(g, p.contiguous(), y, c, e0.contiguous(), e1.contiguous()).double()
+    assert torch.allclose(got, want, rtol=1e-5, atol=0), (got, want)
+    assert torch.equal(B.grad_sq_sums_split(g, p, y, c, e0, e1), got)  # CUDA takes the kernel
 
 
 def test_exact_operand_refuses_an_unknown_backend():

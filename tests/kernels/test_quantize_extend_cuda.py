@@ -175,6 +175,7 @@ def test_weight_quantization_through_the_kernel_is_the_cpu_reference(fmt, roundi
         assert torch.equal(got.scales.view(torch.uint8).cpu(), want.scales.view(torch.uint8))
         if f.has_tensor_scale:
             assert torch.equal(got.global_scale.cpu(), want.global_scale)
+    masks = []
     for ratio, k in ((0.125, 1), (0.25, 2), (0.5, 4)):
         mask = random_mask(2560, k, gen)
         alpha = None if shared is None else shared.cuda()
@@ -183,3 +184,14 @@ def test_weight_quantization_through_the_kernel_is_the_cpu_reference(fmt, roundi
         assert got.shape == want.shape == (96, kext.ext_width(2560, ratio, fmt))
         assert torch.equal(got.codes.cpu(), want.codes), _first_mismatch(got.codes.cpu(), want.codes)
         assert torch.equal(got.scales.view(torch.uint8).cpu(), want.scales.view(torch.uint8))
+        masks.append(mask)
+    # Every ratio's extension in one quantization (the candidates' build): each column block is
+    # that ratio's own codes and scale bytes.
+    ratios = [0.125, 0.25, 0.5]
+    every, offsets = kernel.extend_weights(w[0].cuda(), masks, ratios, fmt, rounding, alpha=None if shared is None else shared.cuda())
+    for ratio, mask, o in zip(ratios, masks, offsets):
+        want = kext.extend_weight(w[0], mask, ratio, fmt, rounding, alpha=shared)
+        n = kext.ext_width(2560, ratio, fmt)
+        codes, scales = every.codes[:, o // 2 : (o + n) // 2].cpu(), every.scales.view(torch.uint8)[:, o // f.block : (o + n) // f.block].cpu()
+        assert torch.equal(codes, want.codes), _first_mismatch(codes, want.codes)
+        assert torch.equal(scales, want.scales.view(torch.uint8))

@@ -146,11 +146,14 @@ def grad_sq_sums(g: torch.Tensor, d0: torch.Tensor, *es: torch.Tensor) -> torch.
     return _fused(_sq_sums_eager, g.device)(g, d0, *es)
 
 
-def grad_sq_sums_split(g, p, y, c, *es) -> torch.Tensor:
-    """`_sq_sums_split_eager`: one Triton kernel on CUDA (`fused.sq_sums`), compiled on CPU (see `_fused`)."""
+def grad_sq_sums_split(g, p, y, c, *es, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`_sq_sums_split_eager` in float64: one kernel on CUDA (`fused.sq_sums`), compiled on CPU
+    (see `_fused`). `out`: a float64 total the sums are added to, and returned (a group's over
+    its members: on CUDA inside the reduction's own launches)."""
     if fused.available(g.device) and len(es) <= fused._MAX_ES:
-        return fused.sq_sums(g, p, y, c, *es)
-    return _fused(_sq_sums_split_eager, g.device)(g, p, y, c, *es)
+        return fused.sq_sums(g, p, y, c, *es, out=out)
+    s = _fused(_sq_sums_split_eager, g.device)(g, p, y, c, *es).double()
+    return s if out is None else out.add_(s)
 
 
 def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ from resserve_export.algorithms.emulate import (
     residue_weight,
     swapped,
 )
+from resserve_export.algorithms import kext
 from resserve_export.algorithms.kext import residue
 from resserve_export.algorithms.scores import fused
 from resserve_export.algorithms.scores.bf16 import (
@@ -53,7 +54,7 @@ from resserve_export.algorithms.selection import (
     select_masks,
 )
 from resserve_export.formats import registry
-from resserve_export.formats.constants import RATIOS
+from resserve_export.formats.constants import RATIOS, SELECTION_GROUP
 from resserve_export.formats.mxfp4 import ScaleRounding
 from resserve_export.formats.ops import dequantize, quantize
 from resserve_export.formats.qtensor import FP4Tensor
@@ -89,7 +90,7 @@ class Candidates:
         self.rows = [0]
         for lin in self.linears:
             self.rows.append(self.rows[-1] + lin.out_features)
-        self._stacked = None  # (base FP4, {ρ: extension FP4}) of all members' rows, when built so
+        self._stacked = None  # (base FP4, {ρ: extension FP4}, (all extensions in one FP4, {ρ: (column, width)})), when built so
         if any(g is not None for g in given.values()):
             weight_alpha = self.format.weight_alpha(lin.weight.detach() for lin in self.linears)
             base = [
@@ -116,6 +117,9 @@ class Candidates:
                         q.w = None
         else:
             self.qw = self._quantize_stacked()
+        device = self.linears[0].weight.device
+        if device.type == "cuda":
+            self._kernel_args(device)
         self.backend = "auto"
         self.biases = [None if lin.bias is None else lin.bias.detach().float() for lin in self.linears]
 
@@ -129,12 +133,12 @@ class Candidates:
         # The group's α from the stacked weight: the max of the members' amax, one read-back.
         weight_alpha = self.format.weight_alpha([w])
         stacked = QuantizedWeight(w, self.format, ratio=0.0, weight_alpha=weight_alpha, rounding=self.rounding)
-        exts = {
-            r: kernel.extend_weight(w, self.masks[r], r, self.fmt, self.rounding, alpha=stacked.base.global_scale)
-            for r in self.ratios
-            if mode_of(r) == "k_ext"
-        }
-        self._stacked = (stacked.base, exts)
+        # Every K-Ext extension in one quantization; each ratio's is a column block of it.
+        partial = [r for r in self.ratios if mode_of(r) == "k_ext"]
+        every, offsets = kernel.extend_weights(w, [self.masks[r] for r in partial], partial, self.fmt, self.rounding, alpha=stacked.base.global_scale)
+        spans = {r: (o, kext.ext_width(w.shape[-1], r, self.fmt)) for r, o in zip(partial, offsets)}
+        exts = {r: self._cols_of(every, o, n) for r, (o, n) in spans.items()}
+        self._stacked = (stacked.base, exts, (every, spans))
         base = [QuantizedWeight.from_stored(self.fmt, 0.0, self.rounding, None, self._rows_of(stacked.base, k), None) for k in range(len(ws))]
         qw = {}
         for r in self.ratios:
@@ -148,6 +152,11 @@ class Candidates:
             else:
                 qw[r] = base
         return qw
+
+    def _cols_of(self, q: FP4Tensor, start: int, width: int) -> FP4Tensor:
+        """Columns ``[start, start + width)`` of an FP4 tensor (block-aligned; views)."""
+        b = self.format.block
+        return FP4Tensor(q.fmt, q.codes[:, start // 2 : (start + width) // 2], q.scales[:, start // b : (start + width) // b], q.global_scale)
 
     def _rows_of(self, q: FP4Tensor, k: int) -> FP4Tensor:
         """Member k's rows of a stacked FP4 tensor (views)."""
@@ -216,9 +225,11 @@ class Candidates:
         member's row views of them (`_fast_weights`)."""
         comp = [r for r in self.ratios if mode_of(r) != "plain"]
         if self._stacked is not None:
-            base, exts = self._stacked
+            base, _, (every, spans) = self._stacked
             we = self._exact(base)
-            ext = {r: self._exact(exts[r]) for r in comp if mode_of(r) == "k_ext"}
+            # The extensions' operands in one pass; each ratio's is a column block of it.
+            whole = self._exact(every) if spans else None
+            ext = {r: whole[:, o : o + n] for r, (o, n) in spans.items()}
         else:  # members quantized one by one (given bases): their operands stacked
             we = torch.cat([self._exact(q.base) for q in self.qw[self.ratios[0]]])
             ext = {r: torch.cat([self._exact(q.ext) for q in self.qw[r]]) for r in comp if mode_of(r) == "k_ext"}
@@ -248,14 +259,21 @@ class Candidates:
             return torch.ones((), dtype=torch.float32)
         return (self.input_alpha.float() * self.qw[self.ratios[0]][0].base.global_scale.float()).reshape(())
 
-    def _c_on(self, device: torch.device) -> tuple[torch.Tensor, float]:
-        """(c as an FP32 tensor on `device`, c² as a Python float), computed once per device: read
-        per member and batch, they would otherwise cost a host sync each time."""
+    def _c_on(self, device: torch.device) -> torch.Tensor:
+        """c as an FP32 tensor on `device`, made once per device (no host sync: the split layout
+        reads it on the device)."""
         per = self.__dict__.setdefault("_c_cache", {})
         if device not in per:
-            c = self._c()
-            per[device] = (c.to(device), float(c) ** 2)
+            per[device] = self._c().to(device)
         return per[device]
+
+    def _c2(self) -> float:
+        """c² as a Python float, read once (the fused layout scales its sums by it; a read per
+        member and batch would be a host sync each time)."""
+        c2 = self.__dict__.get("_c2_cache")
+        if c2 is None:
+            c2 = self._c2_cache = float(self._c()) ** 2
+        return c2
 
     def _fast_spec(self):
         """(compensated ratios, their modes, index tensors and residue widths) for `prepare_fast`."""
@@ -324,11 +342,14 @@ class Candidates:
 
         K = x.shape[-1]
         b = self.format.block
-        dev = self.__dict__.setdefault("_kernel_args", {})
-        if x.device not in dev:  # α and the masks on the GPU once, not per call
-            alpha = None if self.input_alpha is None else self.input_alpha.to(x.device)
-            dev[x.device] = (alpha, {r: m.to(x.device) for r, m in self.masks.items()})
-        alpha, masks = dev[x.device]
+        alpha, masks = self._kernel_args(x.device)
+        if comp and fused.extension_operands(x.device):  # every launch in one C++ call, the same bits
+            ksels = [8 if m == "full" else int(r * SELECTION_GROUP) for r, m in zip(comp, modes)]
+            ops = kernel.prepare_operands(
+                x, [masks[r] if m == "k_ext" else None for r, m in zip(comp, modes)], ksels, list(widths), self.fmt,
+                alpha, self.rounding, fused.scale_factors(self.format, x.device),
+            )
+            return ops[0], dict(zip(comp, ops[1:]))
         xhat, extra = None, {}
         for r, mode, width in zip(comp, modes, widths):
             if mode == "full":
@@ -349,6 +370,16 @@ class Candidates:
         if xhat is None:
             xhat = self._exact(quantize(x, self.fmt, alpha=alpha, rounding=self.rounding, backend="reference"))
         return xhat, extra
+
+    def _kernel_args(self, device: torch.device) -> tuple:
+        """(the input α, {ρ: mask}) on `device`, copied once: made with the candidates where their
+        weights are on a GPU, since a copy from host memory waits for the device's queue, and in
+        the first batch's backward pass that would stall it once per group."""
+        dev = self.__dict__.setdefault("_kernel_args_cache", {})
+        if device not in dev:
+            alpha = None if self.input_alpha is None else self.input_alpha.to(device)
+            dev[device] = (alpha, {r: m.reshape(-1).to(device).contiguous() for r, m in self.masks.items()})
+        return dev[device]
 
     def _exact(self, q: FP4Tensor) -> torch.Tensor:
         """`emulate.exact_operand(q)`, through one Triton kernel where it runs (`fused.exact_bf16`,
@@ -380,7 +411,8 @@ class Candidates:
             es = [extra[r] @ wres[r].T for r in comp]
             # Split: P = X̂'Ŵ'ᵀ in FP32; fused: D_0 / c directly (see `bf16`).
             first_product = mm_f32(base[0], b0) if split else base @ b0.T
-        c, c2 = self._c_on(grads[0].device)
+        c = self._c_on(grads[0].device) if split else None
+        c2 = None if split else self._c2()
         total = None
         for k, g in zip(members, grads):
             if stacked:
@@ -390,12 +422,12 @@ class Candidates:
                 b0_k, wres_k = self._fast_cache[split][k]
                 es_k = [extra[r] @ wres_k[r].T for r in comp]
                 prod_k = mm_f32(base[0], b0_k[0]) if split else base @ b0_k.T
-            if split:
+            if split:  # the members' sums added into one total, in member order
                 y = mm_f32(base[1], self.linears[k].weight.detach())
-                s = grad_sq_sums_split(g, prod_k, y, c, *es_k).double()
+                total = grad_sq_sums_split(g, prod_k, y, c, *es_k, out=total)
             else:
                 s = grad_sq_sums(g, prod_k, *es_k).double() * c2
-            total = s if total is None else total + s
+                total = s if total is None else total + s
         # total: [plain, then the compensated ratios in order]; `ratios` is sorted, so it is the
         # whole vector when it holds ratio 0 and the tail otherwise.
         first = 0 if mode_of(self.ratios[0]) == "plain" else 1

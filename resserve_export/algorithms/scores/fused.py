@@ -133,20 +133,23 @@ def _rows(t: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, int]:
     return t, t.stride(0)
 
 
-def sq_sums(g: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, c: torch.Tensor, *es: torch.Tensor) -> torch.Tensor:
+def sq_sums(g: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, c: torch.Tensor, *es: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
     """float64 ``[1 + len(es)]``: the split layout's ``[Σ (g(c·a − b))², Σ (g(c·a − b + c·e))² …]`` (b
     given: a = P, b = Y) or the fused one's ``[Σ (g·a)², Σ (g(a + e))² …]`` (b None: a = D_0), as
     `bf16._sq_sums_split_eager` / `bf16._sq_sums_eager` compute them (same FP32 products, summed in
     another order: the scores within 2e-4 relative; 9.1e-5 measured on an H200, bench/results/plan.md).
     Inputs of one shape, flat or 2-D; 2-D ones may be column blocks of wider tensors (row-strided
-    views, read in place: a member's columns of a group's stacked products). At most four e."""
+    views, read in place: a member's columns of a group's stacked products). At most four e.
+    `out`: a float64 ``[1 + len(es)]`` the sums are added to (a group's total over its members,
+    without an addition of its own), and returned."""
     if len(es) > _MAX_ES:
         raise ValueError(f"at most {_MAX_ES} residue products per reduction, got {len(es)}")
-    _, _, (kernel, _) = _triton()
     split = b is not None
-    shape = tuple(g.shape) if g.dim() == 2 else (1, g.numel())
     if any(t.numel() != g.numel() for t in [a] + ([b] if split else []) + list(es)):
         raise ValueError("the reduction's inputs differ in length")
+    _, _, (kernel, _) = _triton()
+    shape = tuple(g.shape) if g.dim() == 2 else (1, g.numel())
     g, ld_g = _rows(g, shape)
     a, ld_a = _rows(a, shape)
     b, ld_b = _rows(b, shape) if split else (a, ld_a)
@@ -156,8 +159,7 @@ def sq_sums(g: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, c: torch.T
     ld_e = es[0][1] if es else 0
     es = [e for e, _ in es]
     n = g.numel()
-    # The fused layout's E needs no scaling: c = 1 there (an exact product).
-    c = c.to(device=g.device, dtype=torch.float32).reshape(1) if split else torch.ones(1, device=g.device)
+    c = c.to(device=g.device, dtype=torch.float32).reshape(1) if split else _ones(g.device)
     programs = max(1, -(-n // (_BLOCK * _ITERS)))
     part = torch.empty((programs, 1 + len(es)), dtype=torch.float32, device=g.device)
     pad = es + [g] * (_MAX_ES - len(es))
@@ -165,7 +167,19 @@ def sq_sums(g: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, c: torch.T
         g, a, b, c, *pad, part, n, shape[1], ld_g, ld_a, ld_b, ld_e,
         SPLIT=split, NE=len(es), BLOCK=_BLOCK, ITERS=_ITERS, num_warps=8,
     )
-    return part.sum(dim=0, dtype=torch.float64)
+    total = part.sum(dim=0, dtype=torch.float64)
+    return total if out is None else out.add_(total)
+
+
+_ONES: dict = {}
+
+
+def _ones(device: torch.device) -> torch.Tensor:
+    """An FP32 ``[1]`` one on `device`, made once (the fused layout's c)."""
+    t = _ONES.get(device)
+    if t is None:
+        t = _ONES[device] = torch.ones(1, device=device)
+    return t
 
 
 _SCALE_LUTS: dict = {}
@@ -185,7 +199,24 @@ def scale_factors(fmt, device: torch.device) -> torch.Tensor:
     return lut
 
 
-_EXACT_BACKENDS = ("auto", "extension", "triton")
+_BACKENDS = ("auto", "extension", "triton")
+
+
+def _backend(backend: str, device: torch.device) -> str:
+    """``extension`` or ``triton`` for `backend` (one of `_BACKENDS`): ``auto`` takes the extension
+    for CUDA tensors where `kernel.KERNEL_AVAILABLE`, unless ``RESSERVE_EXACT_OPERAND=triton``."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}, available: {list(_BACKENDS)}")
+    if backend == "auto":
+        on_ext = ext.KERNEL_AVAILABLE and device.type == "cuda" and os.environ.get("RESSERVE_EXACT_OPERAND", "") != "triton"
+        return "extension" if on_ext else "triton"
+    return backend
+
+
+def extension_operands(device: torch.device) -> bool:
+    """Whether the operands on `device` come from the CUDA extension (`_backend`'s ``auto``): then
+    a group's whole preparation of an activation is one C++ call (`kernel.prepare_operands`)."""
+    return _backend("auto", device) == "extension"
 
 
 def exact_bf16(q, fmt, backend: str = "auto") -> torch.Tensor:
@@ -197,12 +228,10 @@ def exact_bf16(q, fmt, backend: str = "auto") -> torch.Tensor:
     `backend`: ``extension`` launches the project's CUDA extension (`kernel.exact_bf16`; a C++
     call costs the host ≈ 13 µs where this Triton kernel's launch cost ≈ 70 µs on an H100 host,
     and the grad scores make four of these per group and batch: bench/results/plan.md),
-    ``triton`` this module's kernel; ``auto`` this module's kernel, or the extension with
-    ``RESSERVE_EXACT_OPERAND=extension`` where `kernel.KERNEL_AVAILABLE` (opt-in: it has not run
-    on a GPU yet; its GPU test compares both backends bit for bit, and `bench/plan.py --opt-ins
-    exact-ext` times it against this kernel)."""
-    if backend not in _EXACT_BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}, available: {list(_EXACT_BACKENDS)}")
+    ``triton`` this module's kernel; ``auto`` the extension for CUDA tensors where
+    `kernel.KERNEL_AVAILABLE`, else (or with ``RESSERVE_EXACT_OPERAND=triton``) this module's
+    kernel. Both give the same bits (their GPU test compares them as integers)."""
+    backend = _backend(backend, q.codes.device)
     codes, scales = q.codes, q.scales
     if codes.dim() != 2 or codes.stride(-1) != 1:
         codes = codes.reshape(-1, codes.shape[-1]).contiguous()
@@ -213,9 +242,6 @@ def exact_bf16(q, fmt, backend: str = "auto") -> torch.Tensor:
     if M == 0:
         return torch.empty((0, width), dtype=torch.bfloat16, device=codes.device)
     factors = scale_factors(fmt, codes.device)
-    if backend == "auto":
-        on_ext = ext.KERNEL_AVAILABLE and codes.is_cuda and os.environ.get("RESSERVE_EXACT_OPERAND", "") == "extension"
-        backend = "extension" if on_ext else "triton"
     if backend == "extension":
         return ext.exact_bf16(codes, scales, factors, fmt.block)
     _, _, (_, kernel) = _triton()
