@@ -107,6 +107,14 @@ def _extension():
     )
 
 
+# The kernel's ksel for full compensation; a partial ratio's is the channels it selects per group of 8.
+_FULL = 8
+
+
+def _ksel(ratio: float) -> int:
+    return int(ratio * SELECTION_GROUP)
+
+
 def _pick(x: torch.Tensor, backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}, available: {list(BACKENDS)}")
@@ -236,7 +244,7 @@ def quantize_extend(
     x2, a = _prepare(x, fmt, alpha)
     K = x2.shape[-1]
     K_E = kext.ext_width(K, ratio, fmt)
-    ksel = int(ratio * SELECTION_GROUP) if K_E else 0
+    ksel = _ksel(ratio) if K_E else 0
     m = None
     if ksel:
         if mask is None:
@@ -346,19 +354,22 @@ def exact_bf16(codes: torch.Tensor, scales: torch.Tensor, factors: torch.Tensor,
     return out
 
 
-def prepare_operands(x: torch.Tensor, masks: list, ksels: list[int], widths: list[int], fmt: str, alpha, rounding, factors: torch.Tensor) -> list[torch.Tensor]:
+def prepare_operands(x: torch.Tensor, masks: list, ratios: list[float], widths: list[int], fmt: str, alpha, rounding, factors: torch.Tensor) -> list[torch.Tensor]:
     """The grad scores' bf16 operands of activation x ``[M, K]`` (bf16/fp16 CUDA) for a group's
-    compensated ratios in one call of the extension: ``[X̂', R̂'_1, …]``, the launches and bits of
-    `quantize_extend` / `quantize_full` followed by `exact_bf16` (``ksels``: 1, 2, 4 for K-Ext of
-    the given ``widths`` with its uint8 ``[K/8]`` mask on x's device, 8 for full; ``alpha`` the
+    compensated `ratios` in one call of the extension: ``[X̂', R̂'_1, …]``, the launches and bits
+    of `quantize_extend` (partial ratios: residue width from ``widths``, uint8 ``[K/8]`` mask on
+    x's device) or `quantize_full` (ratio 1: no mask) followed by `exact_bf16`; ``alpha`` the
     NVFP4 input scale as an FP32 scalar on x's device, None for MXFP4; ``factors`` the format's
-    scale-byte values, `scores.fused.scale_factors`). X̂' and the first K-Ext R̂' are column
-    views of one tensor."""
+    scale-byte values, `scores.fused.scale_factors`. X̂' and the first partial ratio's R̂' are
+    column views of one tensor."""
     f = registry.get(fmt)
     dev = x.device
     spare = _spare(dev)
+    ksels = [_FULL if check_ratio(r) == 1.0 else _ksel(r) for r in ratios]
+    if any(k == 0 for k in ksels):
+        raise ValueError(f"only compensated ratios are prepared, got {ratios}")
     return _extension().prepare_operands(
-        x, [spare[0] if m is None else m for m in masks], list(ksels), list(widths), spare[3] if alpha is None else alpha,
+        x, [spare[0] if m is None else m for m in masks], ksels, list(widths), spare[3] if alpha is None else alpha,
         factors, f.kernel_code, _ROUNDING_CODE[ScaleRounding(rounding)], DEFAULT_ROWS,
         default_max_ctas(dev.index if dev.index is not None else torch.cuda.current_device()),
     )

@@ -156,3 +156,27 @@ def test_every_extension_in_one_quantization_is_each_ratio_alone(fmt, rounding):
         assert torch.equal(every.scales.view(torch.uint8)[:, o // f.block : (o + n) // f.block], want.scales.view(torch.uint8))
     none, offsets = kernel.extend_weights(w, [None, None], [0.0, 1.0], fmt, rounding, alpha=alpha)
     assert none is None and offsets == [0, 0]
+
+
+def test_prepare_operands_passes_the_kernel_its_ratio_codes(monkeypatch):
+    """`kernel.prepare_operands`' wrapper (its launches are the GPU test's): partial ratios go to
+    the extension as the channels they select per group of 8, full compensation as 8, a missing
+    mask as the empty spare; plain is refused, since it has no residue operand."""
+    seen = {}
+
+    class Fake:
+        def prepare_operands(self, x, masks, ksels, widths, alpha, factors, fmt, rounding, rows, max_ctas):
+            seen.update(masks=masks, ksels=ksels, widths=widths, alpha=alpha, fmt=fmt, rounding=rounding)
+            return ["ops"]
+
+    monkeypatch.setattr(kernel, "_extension", lambda: Fake())
+    monkeypatch.setattr(kernel, "default_max_ctas", lambda index: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    x, m = torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.uint8)
+    factors = torch.zeros(256)
+    assert kernel.prepare_operands(x, [m, m, m, None], [0.125, 0.25, 0.5, 1.0], [16, 16, 32, 0], "mxfp4", None, "floor", factors) == ["ops"]
+    assert seen["ksels"] == [1, 2, 4, 8] and seen["widths"] == [16, 16, 32, 0]
+    assert seen["masks"][:3] == [m, m, m] and seen["masks"][3].numel() == 0
+    assert seen["fmt"] == 1 and seen["rounding"] == 1 and seen["alpha"].shape == ()
+    with pytest.raises(ValueError, match="only compensated ratios"):
+        kernel.prepare_operands(x, [None], [0.0], [0], "nvfp4", None, "ceil", factors)

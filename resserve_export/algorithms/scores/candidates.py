@@ -34,8 +34,7 @@ from resserve_export.algorithms.emulate import (
     residue_weight,
     swapped,
 )
-from resserve_export.algorithms import kext
-from resserve_export.algorithms.kext import residue
+from resserve_export.algorithms.kext import ext_width, residue
 from resserve_export.algorithms.scores import fused
 from resserve_export.algorithms.scores.bf16 import (
     PREPARE_ROWS,
@@ -54,7 +53,7 @@ from resserve_export.algorithms.selection import (
     select_masks,
 )
 from resserve_export.formats import registry
-from resserve_export.formats.constants import RATIOS, SELECTION_GROUP
+from resserve_export.formats.constants import RATIOS
 from resserve_export.formats.mxfp4 import ScaleRounding
 from resserve_export.formats.ops import dequantize, quantize
 from resserve_export.formats.qtensor import FP4Tensor
@@ -136,7 +135,7 @@ class Candidates:
         # Every K-Ext extension in one quantization; each ratio's is a column block of it.
         partial = [r for r in self.ratios if mode_of(r) == "k_ext"]
         every, offsets = kernel.extend_weights(w, [self.masks[r] for r in partial], partial, self.fmt, self.rounding, alpha=stacked.base.global_scale)
-        spans = {r: (o, kext.ext_width(w.shape[-1], r, self.fmt)) for r, o in zip(partial, offsets)}
+        spans = {r: (o, ext_width(w.shape[-1], r, self.fmt)) for r, o in zip(partial, offsets)}
         exts = {r: self._cols_of(every, o, n) for r, (o, n) in spans.items()}
         self._stacked = (stacked.base, exts, (every, spans))
         base = [QuantizedWeight.from_stored(self.fmt, 0.0, self.rounding, None, self._rows_of(stacked.base, k), None) for k in range(len(ws))]
@@ -344,9 +343,8 @@ class Candidates:
         b = self.format.block
         alpha, masks = self._kernel_args(x.device)
         if comp and fused.extension_operands(x.device):  # every launch in one C++ call, the same bits
-            ksels = [8 if m == "full" else int(r * SELECTION_GROUP) for r, m in zip(comp, modes)]
             ops = kernel.prepare_operands(
-                x, [masks[r] if m == "k_ext" else None for r, m in zip(comp, modes)], ksels, list(widths), self.fmt,
+                x, [masks[r] if m == "k_ext" else None for r, m in zip(comp, modes)], comp, list(widths), self.fmt,
                 alpha, self.rounding, fused.scale_factors(self.format, x.device),
             )
             return ops[0], dict(zip(comp, ops[1:]))
@@ -382,8 +380,8 @@ class Candidates:
         return dev[device]
 
     def _exact(self, q: FP4Tensor) -> torch.Tensor:
-        """`emulate.exact_operand(q)`, through one Triton kernel where it runs (`fused.exact_bf16`,
-        bit for bit the same values)."""
+        """`emulate.exact_operand(q)`, in one launch where `fused.exact_bf16` runs (the CUDA
+        extension or the Triton kernel: bit for bit the same values)."""
         return fused.exact_bf16(q, self.format) if fused.available(q.codes.device) else exact_operand(q)
 
     def member_sums_fast(self, prepared, i: int, grad: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Triton kernels of the grad scores' bf16 path on CUDA: one pass where eager PyTorch makes many.
+"""Kernels of the grad scores' bf16 path on CUDA: one pass where eager PyTorch makes many.
 
 Two memory-bound steps dominated the bf16 path's GPU time beyond its GEMMs (bench/results/plan.md):
 
@@ -14,6 +14,11 @@ Two memory-bound steps dominated the bf16 path's GPU time beyond its GEMMs (benc
   writes the bf16 values (≈ 2.6 bytes). The values are the same bits: the E2M1 value times the
   block's FP32 scale factor (the format's own `dequantize_blocks` of a block of ones), a product
   exact in FP32 and in bf16.
+
+The operands go through the project's CUDA extension by default where it builds (the same
+products in a C++ call, whose host cost is a fifth of a Triton launch's; ``RESSERVE_EXACT_OPERAND=triton``
+keeps this module's kernel), and the candidates then prepare a group's activation in one call
+of it (`kernel.prepare_operands`).
 
 `available(device)`: Triton is importable and the tensors are on CUDA, unless
 ``RESSERVE_BACKEND=reference``. The callers (`bf16`, `candidates`) fall back to the eager
