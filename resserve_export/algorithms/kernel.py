@@ -295,19 +295,14 @@ def extend_weight(
     weight: torch.Tensor, mask: torch.Tensor, ratio: float, fmt: str, rounding: ScaleRounding | str = ScaleRounding.CEIL,
     alpha: torch.Tensor | None = None,
 ) -> FP4Tensor | None:
-    """`kext.extend_weight` (the quantized ``[W_S | 0]``), through `quantize`: the selected columns
-    are gathered in the weight's own dtype, which holds them exactly, so the codes and scales are
-    those of the reference's FP32 gather."""
+    """`kext.extend_weight` (the quantized ``[W_S | 0]``), through `quantize` on CUDA
+    (`extend_weights` of one ratio): the selected columns are gathered in the weight's own dtype,
+    which holds them exactly, so the codes and scales are those of the reference's FP32 gather."""
     K = weight.shape[-1]
     K_E = kext.ext_width(K, ratio, fmt)
     if K_E == 0 or _pick(weight, "auto") != "cuda":
         return kext.extend_weight(weight, mask, ratio, fmt, rounding, alpha=alpha)
-    if alpha is None:
-        alpha = registry.get(fmt).tensor_alpha(weight)
-    idx = mask_to_indices(mask).to(weight.device)
-    sel = weight.new_zeros((*weight.shape[:-1], K_E))
-    sel[..., : idx.numel()] = weight.index_select(-1, idx)
-    return quantize(sel, fmt, alpha=alpha, rounding=rounding)
+    return extend_weights(weight, [mask], [ratio], fmt, rounding, alpha=alpha)[0]
 
 
 def extend_weights(
@@ -328,16 +323,17 @@ def extend_weights(
         return None, offsets
     if alpha is None:
         alpha = registry.get(fmt).tensor_alpha(weight)
-    # Each ratio's selected channels, then K (a zero column appended) up to its width: one index
-    # vector for all of them, one copy to the device.
-    idx = []
-    for m, w in zip(masks, widths):
+    # Each ratio's selected channels, then any column up to its width (zeroed after the gather):
+    # one index vector for all of them, one gather.
+    idx, pads = [], []
+    for m, o, w in zip(masks, offsets, widths):
         if w:
-            sel = mask_to_indices(m).cpu()
-            idx += [sel, torch.full((w - sel.numel(),), K, dtype=sel.dtype)]
-    idx = torch.cat(idx).to(weight.device)
-    padded = torch.cat([weight, weight.new_zeros((*weight.shape[:-1], 1))], dim=-1)
-    sel = padded.index_select(-1, idx)
+            chosen = mask_to_indices(m)
+            idx += [chosen, chosen.new_zeros(w - chosen.numel())]
+            pads.append((o + chosen.numel(), o + w))
+    sel = weight.index_select(-1, torch.cat(idx).to(weight.device))
+    for a, b in pads:
+        sel[..., a:b] = 0
     if sel.device.type == "cpu":  # the reference's FP32 gather (`kext.compact`): the same values
         sel = sel.float()
     return quantize(sel, fmt, alpha=alpha, rounding=rounding), offsets

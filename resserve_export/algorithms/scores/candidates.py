@@ -89,7 +89,7 @@ class Candidates:
         self.rows = [0]
         for lin in self.linears:
             self.rows.append(self.rows[-1] + lin.out_features)
-        self._stacked = None  # (base FP4, {ρ: extension FP4}, (all extensions in one FP4, {ρ: (column, width)})), when built so
+        self._stacked = None  # (base FP4, all extensions in one FP4, {ρ: (column, width) in it}), when built so
         if any(g is not None for g in given.values()):
             weight_alpha = self.format.weight_alpha(lin.weight.detach() for lin in self.linears)
             base = [
@@ -137,7 +137,7 @@ class Candidates:
         every, offsets = kernel.extend_weights(w, [self.masks[r] for r in partial], partial, self.fmt, self.rounding, alpha=stacked.base.global_scale)
         spans = {r: (o, ext_width(w.shape[-1], r, self.fmt)) for r, o in zip(partial, offsets)}
         exts = {r: self._cols_of(every, o, n) for r, (o, n) in spans.items()}
-        self._stacked = (stacked.base, exts, (every, spans))
+        self._stacked = (stacked.base, every, spans)
         base = [QuantizedWeight.from_stored(self.fmt, 0.0, self.rounding, None, self._rows_of(stacked.base, k), None) for k in range(len(ws))]
         qw = {}
         for r in self.ratios:
@@ -224,7 +224,7 @@ class Candidates:
         member's row views of them (`_fast_weights`)."""
         comp = [r for r in self.ratios if mode_of(r) != "plain"]
         if self._stacked is not None:
-            base, _, (every, spans) = self._stacked
+            base, every, spans = self._stacked
             we = self._exact(base)
             # The extensions' operands in one pass; each ratio's is a column block of it.
             whole = self._exact(every) if spans else None
