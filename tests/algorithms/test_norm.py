@@ -4,6 +4,7 @@ interpreter on CPU tensors, and on a GPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -103,6 +104,38 @@ def test_agreement_rule():
     assert not NM.agrees(want.half(), want) and not NM.agrees(want[:10], want)
 
 
+def test_exact_mode_checks_send_a_class_back_on_a_mismatch():
+    """The exact mode's in-place checks (`norm._Checks`): an output or a gradient that is not the
+    eager one bit for bit sends the class back to its own forward, and the call that found it
+    takes the eager result; a matching one is checked once per width/dtype or gradient layout."""
+    m = _norm("qwen3", 16, torch.bfloat16)
+    x = (torch.randn(3, 4, 16) * 2).bfloat16()
+    dy = torch.randn(3, 4, 16).bfloat16()
+    xw = x.clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(m(xw), xw, dy)
+    cls = type(m)
+    forms = {cls: "llama"}
+    checks = NM._Checks(forms)
+    check = checks.backward(cls, m.forward)
+    assert check(x, dy, want) is want and forms[cls] == "llama"  # matches: kept, and remembered
+    wrong = want.clone()
+    wrong.view(-1)[5] = wrong.view(-1)[5] * 2 + 1
+    assert check(x, dy, wrong) is wrong  # this layout was checked already
+    other = dy.transpose(0, 1).contiguous().transpose(0, 1)  # a new layout: checked, found wrong
+    got = check(x, other, wrong)
+    assert torch.equal(got, want) and forms[cls] is None
+    forms[cls] = "llama"
+    y = m(x)
+    assert checks.output(cls, x, y, m.forward) is y and forms[cls] == "llama"
+    bad = y.clone()
+    bad.view(-1)[0] = bad.view(-1)[0] + 1
+    assert checks.output(cls, x, bad, m.forward) is bad  # this width and dtype were checked already
+    assert checks.output(cls, x[..., :8].contiguous(), bad[..., :8], _norm("qwen3", 8, torch.bfloat16).forward) is None
+    assert forms[cls] is None
+    assert NM.identical(torch.tensor([float("nan"), 1.0]), torch.tensor([float("nan"), 1.0]))
+    assert not NM.identical(torch.tensor([0.0, 1.0]), torch.tensor([0.0, 1.0 + 2**-20]))
+
+
 def test_fused_norm_refuses_what_its_kernels_do_not_cover():
     """FP32 input, a llama-form weight of another dtype, or a width that is not the weight's: one
     ValueError before any kernel is launched (a CPU tensor suffices)."""
@@ -151,14 +184,32 @@ def _kernel_cases(device: str) -> None:
                 for got, ref in ((y, want), (gx, gx_want), (gxb, gx_want)):
                     ulps, share = _ulps_and_share(got.detach(), ref.detach())
                     assert got.dtype == ref.dtype and ulps <= 2 and share >= 0.99, (name, dtype, n, ulps, share)
-                for how in ("all", "backward"):
+                for how in ("all", "backward", "exact"):
                     assert NM._form_of(m.weight, eps, x, m.forward, how) == form
+                # The exact mode: the eager chain's bits, forward and backward, also for a 4-D input
+                # whose output gradient comes in another layout (as Qwen3's q/k norms get it).
+                x4 = (torch.randn(2, 5, 3, n) * 3).to(dtype).to(device).requires_grad_(True)
+                dy4 = torch.randn(2, 3, 5, n).to(dtype).to(device).transpose(1, 2)
+                for xi, dyi in ((x, dy), (x4, dy4), (x4, dy4.contiguous())):
+                    want_i = m(xi)
+                    (gw,) = torch.autograd.grad(want_i, xi, dyi)
+                    got_i = NM._apply(xi, m.weight, eps, form, m.forward, "exact")
+                    (ge,) = torch.autograd.grad(got_i, xi, dyi)
+                    assert torch.equal(got_i, want_i) and torch.equal(ge, gw), (name, dtype, n, tuple(xi.shape))
                 # The other form is not this norm: the rule refuses it.
                 other = "gemma" if form == "llama" else "llama"
                 with torch.no_grad():
                     assert not NM.agrees(NM.fused_rms_norm(x, m.weight, 1e-6, other), want.detach())
     with pytest.raises(ValueError, match="unknown RMSNorm form"):
         NM.fused_rms_norm(x, m.weight, 1e-6, "t5")
+
+
+def _deterministic_attention():
+    """PyTorch's math attention: its backward sums in a fixed order (the fused attention kernels'
+    backward on a GPU need not), so two passes can be compared bit for bit."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
 
 
 def _model_cases(device: str) -> None:
@@ -168,14 +219,18 @@ def _model_cases(device: str) -> None:
     the same bits."""
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
     how = NM.mode()
-    assert how in ("all", "backward")
+    assert how in ("all", "backward", "exact")
     for family, cls_name, form in (("qwen3", "Qwen3RMSNorm", "llama"), ("gemma3", "Gemma3RMSNorm", "gemma")):
         model = _tiny(family, device=device)
-        want = _loss_and_grad(model, ids)
-        with NM.fused_norms(model) as forms:
-            got = _loss_and_grad(model, ids)
+        with _deterministic_attention() if how == "exact" else contextlib.nullcontext():
+            want = _loss_and_grad(model, ids)
+            with NM.fused_norms(model) as forms:
+                got = _loss_and_grad(model, ids)
         assert {c.__name__: f for c, f in forms.items()} == {cls_name: form}
         assert not any("forward" in m.__dict__ for m in model.modules())
+        if how == "exact":  # the eager chain's bits: the same loss and input gradient
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), family
+            continue
         if how == "backward":
             assert torch.equal(got[0], want[0])
         assert math.isclose(float(got[0]), float(want[0]), rel_tol=1e-3)
@@ -191,7 +246,7 @@ def _model_cases(device: str) -> None:
 
 
 @no_gpu
-@pytest.mark.parametrize("how", ["1", "backward"])
+@pytest.mark.parametrize("how", ["1", "backward", "exact"])
 def test_fused_norm_kernels_logic_under_the_triton_interpreter(how):
     """The kernels and the swap on CPU tensors, in a fresh interpreter with ``TRITON_INTERPRET=1``,
     both modes. Skipped where Triton is not installed (CPU-only torch does not bring it)."""
@@ -203,7 +258,7 @@ triton_gpu = gpu_kernels(NM.available)
 
 @pytest.mark.gpu
 @triton_gpu
-@pytest.mark.parametrize("how", ["1", "backward"])
+@pytest.mark.parametrize("how", ["1", "backward", "exact"])
 def test_gpu_fused_norms_give_the_eager_norms(how, monkeypatch):
     """On CUDA: each form against transformers' norms, and whole tiny models under `fused_norms`."""
     monkeypatch.setenv("RESSERVE_FUSED_NORM", how)
@@ -241,3 +296,12 @@ def assert_fused_scores_as_eager(monkeypatch, switches, rel_tol: float = 2e-4) -
 def test_gpu_fused_norms_give_the_eager_scores(how, monkeypatch):
     """The scores with the RMSNorms fused (both modes) and eager (`assert_fused_scores_as_eager`)."""
     assert_fused_scores_as_eager(monkeypatch, {"RESSERVE_FUSED_NORM": how})
+
+
+@pytest.mark.gpu
+@triton_gpu
+def test_gpu_exact_norms_give_the_eager_scores_bit_for_bit(monkeypatch):
+    """The default mode keeps the eager norms' bits, so the scores are the eager ones exactly
+    (with PyTorch's math attention, whose backward is deterministic)."""
+    with _deterministic_attention():
+        assert_fused_scores_as_eager(monkeypatch, {"RESSERVE_FUSED_NORM": "exact"}, rel_tol=0.0)

@@ -7,8 +7,9 @@ scored from the captured input (all candidates from one pass, one product per ra
 group's stacked members). Weight gradients are never computed. With ``RESSERVE_SCORE_THREAD=1``
 the hooks only hand each group over, and a thread of its own launches the candidate products
 (`worker`), so the backward keeps launching meanwhile. The loss is `loss.next_token_loss` (two
-fused kernels on CUDA with ``RESSERVE_FUSED_LOSS=1``); the model's RMSNorms run as two fused
-kernels with ``RESSERVE_FUSED_NORM=1`` (`norm.fused_norms`), and gated MLPs' SiLU · up with
+fused kernels on CUDA with ``RESSERVE_FUSED_LOSS=1``); on CUDA the model's RMSNorms give their
+eager bits with less memory traffic (`norm.fused_norms`; two fused kernels with
+``RESSERVE_FUSED_NORM=1``), and gated MLPs' SiLU · up run fused with
 ``RESSERVE_FUSED_MLP=1`` (`mlp.fused_mlps`). The candidate products run in
 FP32 (the emulated linear's own arithmetic, `Candidates.member_outputs`) or as bf16 GEMMs on the
 same FP4 operands (`Candidates.prepare_fast` / `group_sums_fast`, see `bf16`), as

@@ -1,45 +1,48 @@
-"""The grad scores' RMSNorms: forward and backward in one Triton kernel each.
+"""The grad scores' RMSNorms: the eager chain's bits with a fraction of its memory traffic (the
+default), or forward and backward in one Triton kernel each (opt-in).
 
 Transformers' RMSNorms compute in FP32 as a chain of eager ops (widen, square, mean, rsqrt,
 scale, narrow, weight), and their backward replays that chain through autograd with FP32 copies
 of the hidden states at every step. The grad scores run a forward and a backward of the whole
 model per batch; by a count of bytes these norms (two per layer on the hidden states, and Qwen3's
 per-head q/k norms) are the largest share of the model's own non-GEMM memory traffic there
-(bench/results/plan.md). `fused_norms` swaps every RMSNorm of a model for `_FusedNorm` during
-those passes: the forward reads each row once and writes the output and the row's 1/rms; the
-backward reads the row, the output's gradient and the weight once and writes the input's
-gradient. Weights are frozen while scoring, so no weight gradient is formed.
+(bench/results/plan.md). `fused_norms` swaps every RMSNorm of a model during those passes, as
+`mode` says:
 
-Two forms, as transformers writes them: Llama's ``w · narrow(x · r)`` (Llama, Qwen, Mistral and
-most families) and Gemma's ``narrow(x · r · (1 + w))``, with r = rsqrt(mean(x²) + ε), both in
-FP32 with the same roundings as the eager ops (the narrowing to bf16 is done on the bits, so the
-interpreter that the CPU tests run rounds as the GPU does), for bf16 and fp16 inputs. Which form, if any, a norm class
-computes is not taken on trust: on its first call in a `fused_norms` block the module's own
-forward and its autograd backward run too, and the class is fused only if one form gives its
-output and the input's gradient within two units in the last place everywhere and bit for bit
-on at least 99% of the elements (the sum of squares runs in another order, so the last bit of a
-few values may differ); anything else, or a call
-with more arguments, a weight that wants a gradient or a dtype mix the forms do not cover, takes
-the module's own forward.
+- ``exact`` (the default, `_ExactNorm`): the chain's elementwise steps in Triton kernels that
+  round where the eager ops round, and its two row reductions (the forward's mean of x², the
+  backward's row sum into 1/rms's gradient) through PyTorch's own ops on tensors of the layout
+  autograd gives them, so they sum in PyTorch's order. Output and input gradient are the eager
+  ones bit for bit, and the scores with them (up to the model's own nondeterministic backward on a
+  GPU). About 18 bytes a hidden-state element for forward and backward instead of ≈ 120, and
+  only x and one FP32 number a row kept for the backward. That is checked, not assumed (`_Checks`):
+  on a class's first call its output and input gradient under a random output gradient, and later
+  the output for every new width and dtype and the gradient for every new layout of the output's
+  gradient, each against the module's own forward and autograd. Any difference sends the class
+  back to its own forward, and the call that found it takes the eager result.
+- ``all`` (`_FusedNorm`, ``RESSERVE_FUSED_NORM=1``): the forward reads each row once and writes
+  the output and the row's 1/rms; the backward reads the row, the output's gradient and the weight
+  once and writes the input's gradient. Their sums run in another order, so a few values differ in
+  the last bit, and through the rest of the model that moves the scores: on an H100 by up to 9e-4
+  relative, beyond the 2e-4 of the default kernels.
+- ``backward`` (`_NormBackward`, ``RESSERVE_FUSED_NORM=backward``): the module's own forward and
+  the fused backward kernel, which recomputes 1/rms from x (two runs on one H100: the forward +
+  backward 0.44–0.49 s against 0.53–0.62 s eager, but the scores moved by 2.4–2.7e-4).
+- None (``RESSERVE_FUSED_NORM=0``): the modules' own forward and autograd.
 
-The forward kernel's sum of squares runs in another order than PyTorch's mean, so a few outputs
-differ in their last bit, and through the rest of the model that moves the scores: on an H100 by
-up to 9e-4 relative, beyond the 2e-4 of the default kernels (bench/results/plan.md). Hence a
-second mode, `_NormBackward`: the module's own forward (its output bits, so every activation the
-candidates quantize is as without fusion) and the backward kernel, which recomputes 1/rms from x
-and so keeps only x for the backward, not the eager chain's FP32 copies. The check on a class's
-first call then compares the input's gradient (under a fixed random output gradient) by the same
-rule.
+Weights are frozen while scoring, so no weight gradient is formed. Two forms, as transformers
+writes them: Llama's ``w · narrow(x · r)`` (Llama, Qwen, Mistral and most families) and Gemma's
+``narrow(x · r · (1 + w))``, with r = rsqrt(mean(x²) + ε), both in FP32 (the narrowing to bf16 is
+done on the bits, so the interpreter that the CPU tests run rounds as the GPU does), for bf16 and
+fp16 inputs. Which form, if any, a norm class computes is not taken on trust: on its first call
+in a `fused_norms` block the module's own forward and its autograd backward run too, and the
+class is swapped only if one form gives its output and the input's gradient bit for bit
+(``exact``) or within two units in the last place everywhere and bit for bit on at least 99% of
+the elements (``all``, ``backward``); anything else, or a call with more arguments, a weight that
+wants a gradient or a dtype mix the forms do not cover, takes the module's own forward.
 
-On CUDA with Triton (`available`), as `mode` says: ``RESSERVE_FUSED_NORM=1`` both kernels (on an
-H100 the model's forward + backward fell from 0.54 to 0.36 s, the scores moved as above, and the
-scores from scratch were no faster: they are bound by their host launches),
-``RESSERVE_FUSED_NORM=backward`` the backward kernel alone (two runs on one H100: the forward +
-backward 0.44–0.49 s against 0.53–0.62 s eager, but the scores still moved by 2.4–2.7e-4, past
-the 2e-4 tolerance: the gradients differ in the last bit where 1/rms and the row sum are
-computed in another order); both opt-in. ``TRITON_INTERPRET=1``
-runs the kernels on CPU tensors (how the tests check them without a GPU);
-``RESSERVE_BACKEND=reference`` forces the eager path.
+On CUDA with Triton (`available`); ``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (how
+the tests check them without a GPU); ``RESSERVE_BACKEND=reference`` forces the eager path.
 """
 
 from __future__ import annotations
@@ -127,12 +130,79 @@ def _kernels(triton, tl):
     return fwd, bwd
 
 
+@triton_kernel
+def _exact_kernels(triton, tl):
+    # The `exact` mode's kernels: only the elementwise steps of the eager chain, each rounded where
+    # the eager op rounds (no FMA: launched with enable_fp_fusion=False). The two row reductions
+    # (the forward's mean of x², the backward's row sum of the product into 1/rms) stay PyTorch's
+    # own ops on a tensor of the layout autograd gives them, so they sum in PyTorch's order.
+    @triton.jit
+    def square(x_ptr, p_ptr, N, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < N
+        x = tl.load(x_ptr + row * N + cols, mask=inside, other=0.0).to(tl.float32)
+        tl.store(p_ptr + row * N + cols, x * x, mask=inside)
+
+    @triton.jit
+    def output(x_ptr, w_ptr, r_ptr, y_ptr, N, GEMMA: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < N
+        x = tl.load(x_ptr + row * N + cols, mask=inside, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        h = x * tl.load(r_ptr + row)
+        if not GEMMA:  # Llama: w · narrow(h), the product in FP32 and narrowed
+            if KIND == 1:
+                u = h.to(tl.uint32, bitcast=True)
+                h = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            else:
+                h = h.to(tl.float16).to(tl.float32)
+        y = w * h  # Gemma: w holds 1 + w in FP32
+        if KIND == 1:
+            u = y.to(tl.uint32, bitcast=True)
+            y = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        tl.store(y_ptr + row * N + cols, y.to(y_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def backward(dy_ptr, w_ptr, x_ptr, r_ptr, gp_ptr, out_ptr, N, d1, d2, s0, s1, s2, o0, o1, o2,
+                 GEMMA: tl.constexpr, KIND: tl.constexpr, GRAD: tl.constexpr, BLOCK: tl.constexpr):
+        # Row `row` of x (contiguous) is row (i0, i1, i2) of dy and out, at their strides.
+        row = tl.program_id(0).to(tl.int64)
+        i2 = row % d2
+        i1 = (row // d2) % d1
+        i0 = row // (d1 * d2)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < N
+        x = tl.load(x_ptr + row * N + cols, mask=inside, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + i0 * s0 + i1 * s1 + i2 * s2 + cols, mask=inside, other=0.0).to(tl.float32)
+        gh = dy * w  # the output product's gradient: narrowed in Llama's form (a product of two narrow values)
+        if not GEMMA:
+            if KIND == 1:
+                u = gh.to(tl.uint32, bitcast=True)
+                gh = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            else:
+                gh = gh.to(tl.float16).to(tl.float32)
+        if GRAD:  # x's gradient: gh·r (the product x·r) plus (g/N)·(2x) (x²), narrowed once
+            dx = gh * tl.load(r_ptr + row) + tl.load(gp_ptr + row) * (2.0 * x)
+            if KIND == 1:
+                u = dx.to(tl.uint32, bitcast=True)
+                dx = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+            tl.store(out_ptr + i0 * o0 + i1 * o1 + i2 * o2 + cols, dx.to(out_ptr.dtype.element_ty), mask=inside)
+        else:  # the product whose row sum is 1/rms's gradient
+            tl.store(out_ptr + i0 * o0 + i1 * o1 + i2 * o2 + cols, gh * x, mask=inside)
+
+    return square, output, backward
+
+
 def mode() -> str | None:
-    """How the grad scores fuse their RMSNorms where the kernels run: ``all`` (forward and
-    backward, ``RESSERVE_FUSED_NORM=1``), ``backward`` (the module's own forward, the backward
-    kernel: ``RESSERVE_FUSED_NORM=backward``) or None (their own forward and autograd)."""
+    """How the grad scores run their RMSNorms where the kernels run: ``exact`` (the default: the
+    eager chain's bits through `_ExactNorm`), ``all`` (both fused kernels, ``RESSERVE_FUSED_NORM=1``),
+    ``backward`` (the module's own forward, the fused backward kernel: ``=backward``) or None
+    (their own forward and autograd: ``=0``)."""
     flag = os.environ.get("RESSERVE_FUSED_NORM", "")
-    return "all" if flag == "1" else "backward" if flag == "backward" else None
+    return {"": "exact", "exact": "exact", "1": "all", "backward": "backward"}.get(flag)
 
 
 def available(device: torch.device) -> bool:
@@ -188,6 +258,82 @@ class _NormBackward(torch.autograd.Function):
         return _backward(x, w, None, dy, ctx.eps, ctx.gemma), None, None, None, None
 
 
+class _ExactNorm(torch.autograd.Function):
+    """RMSNorm of a contiguous x with the eager chain's bits, forward and backward: the
+    elementwise steps in `_exact_kernels`, the two row reductions through PyTorch's own ops (module
+    docstring). Keeps x and each row's 1/rms for the backward (not the eager chain's FP32 copies).
+    `check`: called on the backward's arguments and result, to compare them with autograd's
+    (`_LayoutCheck`); it may return the gradient to use instead."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps: float, gemma: bool, check):
+        square, output, _ = _exact_kernels()
+        N = x.shape[-1]
+        rows = x.numel() // N if N else 0
+        p = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        block = _next_power_of_2(N)
+        wk = (1.0 + w.float()) if gemma else w  # Gemma's factor, as the module forms it
+        with launch_device(x):
+            if rows:
+                square[(rows,)](x, p, N, BLOCK=block, num_warps=_warps(block))
+            r = torch.rsqrt(p.mean(-1, keepdim=True) + eps)
+            del p
+            y = torch.empty_like(x, memory_format=torch.contiguous_format)
+            if rows:
+                output[(rows,)](x, wk, r, y, N, GEMMA=gemma, KIND=_KIND[x.dtype], BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
+        ctx.save_for_backward(x, wk, r)
+        ctx.gemma, ctx.check = gemma, check
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, wk, r = ctx.saved_tensors
+        dx = _exact_backward(x, wk, r, dy, ctx.gemma)
+        if ctx.check is not None:
+            dx = ctx.check(x, dy, dx)
+        return dx, None, None, None, None
+
+
+def _lead(t: torch.Tensor) -> tuple | None:
+    """(d1, d2, s0, s1, s2): `t`'s leading dims (at most 3, padded in front) as the row index
+    (i0, i1, i2) of `_exact_kernels.backward` and their strides, for a last dim of unit stride;
+    else None."""
+    if t.dim() < 1 or t.dim() > 4 or (t.shape[-1] > 1 and t.stride(-1) != 1):
+        return None
+    sizes = [1] * (4 - t.dim()) + list(t.shape[:-1])
+    strides = [0] * (4 - t.dim()) + list(t.stride()[:-1])
+    return sizes[1], sizes[2], strides[0], strides[1], strides[2]
+
+
+def _exact_backward(x: torch.Tensor, wk: torch.Tensor, r: torch.Tensor, dy: torch.Tensor, gemma: bool) -> torch.Tensor:
+    """x's gradient with the eager chain's bits. The product whose row sum is 1/rms's gradient is
+    written in dy's layout, as autograd's product of the two would be, and summed by PyTorch; the
+    per-row steps that follow are PyTorch's own ops on ``[..., 1]`` tensors."""
+    _, _, kernel = _exact_kernels()
+    N = x.shape[-1]
+    rows = x.numel() // N if N else 0
+    if _lead(dy) is None:
+        dy = dy.contiguous()
+    t = torch.empty_like(dy, dtype=torch.float32)  # dy's strides where dy is dense
+    if _lead(t) is None:
+        t = torch.empty(dy.shape, dtype=torch.float32, device=dy.device)
+    block = _next_power_of_2(N)
+    kind = _KIND[x.dtype]
+    din = _lead(dy)
+    with launch_device(x):
+        if rows:
+            kernel[(rows,)](dy, wk, x, r, r, t, N, *din, *_lead(t)[2:], GEMMA=gemma, KIND=kind, GRAD=False, BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
+        s = t.sum(-1, keepdim=True)
+        del t
+        # rsqrt's backward (−½·g·r³), then the mean's (g / N), as autograd's formulas write them.
+        gp = (((-0.5 * s) * r.pow(3)) / N).reshape(-1)
+        gp = gp if gp.is_contiguous() else gp.contiguous()
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if rows:
+            kernel[(rows,)](dy, wk, x, r, gp, dx, N, *din, *_lead(dx)[2:], GEMMA=gemma, KIND=kind, GRAD=True, BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
+    return dx
+
+
 def _backward(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor | None, dy: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
     """The input's gradient ``[rows, N]`` (x's dtype) through the backward kernel; r None: the
     kernel recomputes each row's 1/rms from x."""
@@ -236,18 +382,22 @@ def _fused(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str) -> torc
     return _FusedNorm.apply(x, weight.detach(), float(eps), form == "gemma")
 
 
-def _apply(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str, own, how: str) -> torch.Tensor:
-    """The norm of x in `form` as `how` (`mode`) has it; `own`: the module's own forward."""
+def _apply(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str, own, how: str, check=None) -> torch.Tensor:
+    """The norm of x in `form` as `how` (`mode`) has it; `own`: the module's own forward; `check`:
+    `_ExactNorm`'s (``exact`` only)."""
     if how == "all":
         return _fused(x, weight, eps, form)
+    if how == "exact":
+        return _ExactNorm.apply(x, weight.detach(), float(eps), form == "gemma", check)
     return _NormBackward.apply(x, weight.detach(), float(eps), form == "gemma", own)
 
 
 def _form_of(weight: torch.Tensor, eps: float, x: torch.Tensor, own, how: str) -> str | None:
     """The form whose kernels stand for the module's own forward and its autograd backward on x
-    (`agrees`, for the output and for the input's gradient under a fixed random output gradient),
-    or None."""
+    (for the output and for the input's gradient under a fixed random output gradient: `identical`
+    in the ``exact`` mode, else `agrees`), or None."""
     xd = x.detach()
+    same = identical if how == "exact" else agrees
     g = torch.Generator(device=xd.device).manual_seed(0)
     with torch.enable_grad():
         xw = xd.clone().requires_grad_(True)
@@ -255,14 +405,58 @@ def _form_of(weight: torch.Tensor, eps: float, x: torch.Tensor, own, how: str) -
         dy = torch.randn(want.shape, generator=g, device=xd.device, dtype=torch.float32).to(want.dtype)
         (gx_want,) = torch.autograd.grad(want, xw, dy)
         for form in _FORMS:
-            if not _covered(xd, weight, form):
+            if not _covered(xd, weight, form) or (how == "exact" and not _exact_input(xd)):
                 continue
             xf = xd.clone().requires_grad_(True)
             got = _apply(xf, weight, eps, form, own, how)
             (gx,) = torch.autograd.grad(got, xf, dy)
-            if agrees(got.detach(), want.detach()) and agrees(gx, gx_want):
+            if same(got.detach(), want.detach()) and same(gx, gx_want):
                 return form
     return None
+
+
+def _exact_input(x: torch.Tensor) -> bool:
+    """Whether `_ExactNorm` takes x: contiguous, at most 4 dims, not empty."""
+    return x.is_contiguous() and 1 <= x.dim() <= 4 and x.numel() > 0
+
+
+class _Checks:
+    """The ``exact`` mode's checks beyond a class's first call, each made once: the output for
+    every new (width, dtype), and x's gradient for every new layout of the output's gradient (the
+    backward's row sum runs on a tensor of that layout), each against the module's own forward and
+    autograd, bit for bit. A mismatch sends the class back to its own forward from then on, and
+    the call that found it takes the eager result."""
+
+    def __init__(self, forms: dict):
+        self.forms, self.seen = forms, set()
+
+    def output(self, cls, x, y, own) -> torch.Tensor | None:
+        key = (cls, "out", x.shape[-1], x.dtype)
+        if key in self.seen:
+            return y
+        with torch.no_grad():
+            want = own(x.detach())
+        if not identical(y.detach(), want):
+            self.forms[cls] = None
+            return None
+        self.seen.add(key)
+        return y
+
+    def backward(self, cls, own):
+        def check(x, dy, dx):
+            key = (cls, "grad", x.shape[-1], x.dtype, dy.dim(), tuple(sorted(range(dy.dim()), key=lambda d: -dy.stride(d))), dy.is_contiguous())
+            if key in self.seen:
+                return dx
+            with torch.enable_grad():
+                xw = x.detach().requires_grad_(True)
+                (want,) = torch.autograd.grad(own(xw), xw, dy)
+            if not identical(dx, want):
+                self.forms[cls] = None
+                return want
+            self.seen.add(key)
+            return dx
+
+        return check
 
 
 def _eps_of(mod: nn.Module) -> float | None:
@@ -283,6 +477,13 @@ def _covered(x: torch.Tensor, w: torch.Tensor, form: str) -> bool:
     """Whether a form's kernels cover these dtypes: the eager Llama form's output takes the
     weight's dtype, so it must be x's; Gemma's is x's own."""
     return x.dtype in _KIND and x.shape[-1] == w.shape[0] and (form == "gemma" or w.dtype == x.dtype)
+
+
+def identical(y: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether `y` is `want` bit for bit (shape, dtype and values; NaN where NaN)."""
+    if y.shape != want.shape or y.dtype != want.dtype:
+        return False
+    return bool(((y == want) | (torch.isnan(y) & torch.isnan(want))).all())
 
 
 def agrees(y: torch.Tensor, want: torch.Tensor) -> bool:
@@ -312,6 +513,7 @@ def fused_norms(model: nn.Module):
         yield None
         return
     forms: dict[type, str | None] = {}
+    checks = _Checks(forms)
 
     def patched(mod: nn.Module, eps: float):
         own = mod.forward
@@ -326,7 +528,12 @@ def fused_norms(model: nn.Module):
             form = forms[cls]
             if form is None or not _covered(x, mod.weight, form):
                 return own(x)
-            return _apply(x, mod.weight, eps, form, own, how)
+            if how != "exact":
+                return _apply(x, mod.weight, eps, form, own, how)
+            if not _exact_input(x):
+                return own(x)
+            y = checks.output(cls, x, _apply(x, mod.weight, eps, form, own, how, checks.backward(cls, own)), own)
+            return own(x) if y is None else y
 
         return forward
 
