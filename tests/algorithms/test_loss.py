@@ -77,6 +77,35 @@ def _zero_where_no_target(grad, mask):
     assert bool((grad[target] != 0).any(dim=-1).all())
 
 
+def _exact_cases(device: str) -> None:
+    """The default loss where its kernel runs (`loss._ExactLoss`): the eager loss and gradient bit
+    for bit. The first call of each vocabulary and dtype also compares its kernel with the eager
+    backward and keeps the kernel only if the two agree; on a GPU they must (its exponential is
+    CUDA's expf, as PyTorch's), under the interpreter at least in bf16 (numpy's exp against
+    PyTorch's vectorised one may differ in FP32's last bit, and then the eager gradient is taken)."""
+    import os
+
+    os.environ.pop("RESSERVE_FUSED_LOSS", None)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        logits, ids, mask = _case(dtype, V=3000, device=device)
+        L._EXACT_CHECKED.clear()
+        assert L.exact_wanted(logits)
+        eager = _grads(L.eager_loss, logits, ids, mask)
+        for _ in range(2):  # the first call checks, the second runs the kernel alone if kept
+            got = _grads(lambda x, i, ok: L.next_token_loss(x, i, mask)[0], logits, ids, mask)
+            assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1]), dtype
+        kept = L._EXACT_CHECKED[L._exact_key(logits)]
+        assert kept or (device == "cpu" and dtype != torch.bfloat16), (device, dtype)
+    # Another gradient than 1 flows through the same arithmetic.
+    logits, ids, mask = _case(torch.bfloat16, V=3000, device=device)
+    x = logits.clone().requires_grad_(True)
+    (L.next_token_loss(x, ids, mask)[0] * 0.5).backward()
+    y = logits.clone().requires_grad_(True)
+    valid = mask.bool()
+    (L.eager_loss(y, ids, valid[:, 1:] & valid[:, :-1]) * 0.5).backward()
+    assert torch.equal(x.grad, y.grad)
+
+
 def _interpreted_check() -> None:
     """Run under ``TRITON_INTERPRET=1`` (set before Triton is first imported: its own helper
     functions are made interpretable at import)."""
@@ -93,6 +122,7 @@ def _interpreted_check() -> None:
         for flag, want in (("1", fused[0]), ("0", eager[0])):
             os.environ["RESSERVE_FUSED_LOSS"] = flag
             assert torch.equal(L.next_token_loss(logits, ids, mask)[0], want)
+    _exact_cases("cpu")
 
 
 @no_gpu
@@ -119,3 +149,16 @@ def test_gpu_fused_loss_gives_the_eager_gradient(dtype):
     fused = _grads(L.fused_loss, logits, ids, mask)
     _check_fused(fused, _grads(L.eager_loss, logits, ids, mask), dtype, exact_fraction=0.99)
     _zero_where_no_target(fused[1], mask)
+
+
+@pytest.mark.gpu
+@triton_gpu
+def test_gpu_exact_loss_is_the_eager_loss_bit_for_bit():
+    """On CUDA the default loss's kernel gives the eager gradient bit for bit in bf16, fp16 and
+    FP32 (and is kept), and the loss is the eager one (`_exact_cases`); at Qwen3's vocabulary too."""
+    _exact_cases("cuda")
+    logits, ids, mask = _case(torch.bfloat16, B=3, S=33, V=151936, device="cuda")
+    L._EXACT_CHECKED.clear()
+    got = _grads(lambda x, i, ok: L.next_token_loss(x, i, mask)[0], logits, ids, mask)
+    eager = _grads(L.eager_loss, logits, ids, mask)
+    assert torch.equal(got[1], eager[1]) and L._EXACT_CHECKED[L._exact_key(logits)]

@@ -87,6 +87,109 @@ def _kernels(triton, tl):
     return fwd, bwd
 
 
+@triton_kernel
+def _exact_kernel(triton, tl):
+    @triton.jit
+    def grad(lp_ptr, out_ptr, tgt_ptr, ok_ptr, g_ptr, S1, V, lp_b, lp_s, out_b, out_s, KIND: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr):
+        # Row (b, s) of the log-softmax (s < S - 1) and a block of its columns. The eager backward
+        # of Σ −lp[target] over the valid rows: gO = −g at the target of a valid row (+0 elsewhere),
+        # its row sum −g (+0 in a row that is not valid), then the log-softmax's gO − exp(lp)·sum,
+        # narrowed to the logits' dtype.
+        row = tl.program_id(0).to(tl.int64)
+        b = row // S1
+        s = row % S1
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < V
+        ok = tl.load(ok_ptr + row) != 0
+        t = tl.load(tgt_ptr + row)
+        g = tl.load(g_ptr)
+        lp = tl.load(lp_ptr + b * lp_b + s * lp_s + cols, mask=inside, other=0.0)
+        go = tl.where(ok & (cols == t), -g, 0.0)
+        total = tl.where(ok, -g, 0.0)
+        if LIBDEVICE:  # CUDA's expf (what PyTorch's kernel calls), not Triton's exp2-based approximation
+            e = tl.extra.cuda.libdevice.exp(lp)
+        else:  # the interpreter (CPU tensors)
+            e = tl.exp(lp)
+        y = go - e * total
+        if KIND == 1:  # to bf16, nearest-even, on the bits (the interpreter rounds as the GPU)
+            u = y.to(tl.uint32, bitcast=True)
+            y = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        tl.store(out_ptr + b * out_b + s * out_s + cols, y.to(out_ptr.dtype.element_ty), mask=inside)
+
+    return grad
+
+
+# Whether `_ExactLoss`'s gradient was found equal to the eager one, per (vocabulary, dtype,
+# device type): checked on the first call of each (`_ExactLoss.backward`).
+_EXACT_CHECKED: dict[tuple, bool] = {}
+_EXACT_BLOCK = 2048
+
+
+class _ExactLoss(torch.autograd.Function):
+    """`eager_loss` with its forward as PyTorch ops (the same loss bits) and its backward as one
+    kernel (`_exact_kernel`) that writes the logits' gradient from the saved log-softmax: the
+    eager chain's arithmetic and rounding, without its zero-filled FP32 tensors, scatter, copy and
+    padding passes (≈ 4 GB of traffic per batch of 4 × 1024 tokens at a 151,936-token vocabulary,
+    against ≈ 18). The first call for a vocabulary and dtype also runs the eager backward and
+    compares the two bit for bit; a difference sends every later call to the eager loss, and that
+    call takes the eager gradient."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, target_ok):
+        lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        nll = -lp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+        loss = torch.sum(nll[target_ok])
+        key = _exact_key(logits)
+        ctx.save_for_backward(lp, ids, target_ok.to(torch.int8))
+        ctx.shape, ctx.dtype, ctx.key = logits.shape, logits.dtype, key
+        ctx.logits = logits.detach() if key not in _EXACT_CHECKED else None
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        lp, ids, ok = ctx.saved_tensors
+        B, S, V = ctx.shape
+        out = torch.empty((B, S, V), dtype=ctx.dtype, device=lp.device)
+        out[:, -1].zero_()
+        tgt = ids[:, 1:].contiguous()
+        gs = g.detach().to(device=lp.device, dtype=torch.float32).reshape(1)
+        rows = B * (S - 1)
+        if rows and V:
+            with launch_device(lp):
+                _exact_kernel()[(rows, _cdiv(V, _EXACT_BLOCK))](
+                    lp, out, tgt, ok.contiguous(), gs, S - 1, V, lp.stride(0), lp.stride(1), out.stride(0), out.stride(1),
+                    KIND=1 if ctx.dtype == torch.bfloat16 else 0, LIBDEVICE=lp.is_cuda, BLOCK=_EXACT_BLOCK, num_warps=8, enable_fp_fusion=False,
+                )
+        if ctx.logits is not None:  # the first call of its kind: the eager backward too
+            with torch.enable_grad():
+                x = ctx.logits.requires_grad_(True)
+                (want,) = torch.autograd.grad(eager_loss(x, ids, ok.bool()), x, g)
+            same = bool(((out == want) | (torch.isnan(out) & torch.isnan(want))).all())
+            _EXACT_CHECKED[ctx.key] = same
+            ctx.logits = None
+            if not same:
+                return want, None, None
+        return out, None, None
+
+
+def _exact_key(logits: torch.Tensor) -> tuple:
+    return (logits.shape[-1], logits.dtype, logits.device.type)
+
+
+def exact_wanted(logits: torch.Tensor) -> bool:
+    """Whether `next_token_loss` takes `_ExactLoss`: by default (``RESSERVE_FUSED_LOSS`` unset)
+    where its kernel runs, for ``[batch, seq, vocab]`` bf16/fp16/FP32 logits with unit column
+    stride, unless an earlier call found its gradient other than the eager one."""
+    return (
+        os.environ.get("RESSERVE_FUSED_LOSS", "") == ""
+        and kernel_available(logits.device, _exact_kernel, interpret=True)
+        and logits.dim() == 3
+        and logits.shape[1] > 1
+        and logits.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and _EXACT_CHECKED.get(_exact_key(logits), True)
+    )
+
+
 def wanted() -> bool:
     """Whether `next_token_loss` takes the fused kernels where they run: ``RESSERVE_FUSED_LOSS=1``."""
     return os.environ.get("RESSERVE_FUSED_LOSS", "") == "1"
@@ -158,5 +261,10 @@ def next_token_loss(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor 
     and t+1 are both valid tokens, and their count. Fused where `wanted` and `available`, else eager."""
     valid = valid_tokens(mask, ids)
     target_ok = valid[:, 1:] & valid[:, :-1]
-    loss = fused_loss(logits, ids, target_ok) if wanted() and available(logits.device) else eager_loss(logits, ids, target_ok)
+    if wanted() and available(logits.device):
+        loss = fused_loss(logits, ids, target_ok)
+    elif exact_wanted(logits):
+        loss = _ExactLoss.apply(logits, ids, target_ok)
+    else:
+        loss = eager_loss(logits, ids, target_ok)
     return loss, int(target_ok.sum())
