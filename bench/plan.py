@@ -193,6 +193,7 @@ def bench_scores(samples: int, seq_len: int, batch_size: int, kl_groups: int, re
 
 # The opt-in pieces, each alone and all together: (key, what the rows call it, environment).
 OPT_INS = (
+    ("eager-pieces", "the models' own RMSNorms and the eager loss backward (`RESSERVE_FUSED_NORM=0 RESSERVE_FUSED_LOSS=0`; the defaults give their bits with less traffic)", {"RESSERVE_FUSED_NORM": "0", "RESSERVE_FUSED_LOSS": "0"}),
     ("norm-eager", "the models' own RMSNorms and autograd (`RESSERVE_FUSED_NORM=0`; the default is their bits through `norm._ExactNorm`)", {"RESSERVE_FUSED_NORM": "0"}),
     ("loss", "the fused loss (`RESSERVE_FUSED_LOSS=1`)", {"RESSERVE_FUSED_LOSS": "1"}),
     ("norm", "the fused RMSNorms (`RESSERVE_FUSED_NORM=1`)", {"RESSERVE_FUSED_NORM": "1"}),

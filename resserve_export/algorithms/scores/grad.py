@@ -6,10 +6,11 @@ One forward + backward per batch; backward hooks on each quantized linear's outp
 scored from the captured input (all candidates from one pass, one product per ratio over the
 group's stacked members). Weight gradients are never computed. With ``RESSERVE_SCORE_THREAD=1``
 the hooks only hand each group over, and a thread of its own launches the candidate products
-(`worker`), so the backward keeps launching meanwhile. The loss is `loss.next_token_loss` (two
-fused kernels on CUDA with ``RESSERVE_FUSED_LOSS=1``); on CUDA the model's RMSNorms give their
-eager bits with less memory traffic (`norm.fused_norms`; two fused kernels with
-``RESSERVE_FUSED_NORM=1``), and gated MLPs' SiLU · up run fused with
+(`worker`), so the backward keeps launching meanwhile. The loss is `loss.next_token_loss` (on
+CUDA its eager gradient's bits from one kernel; two fused kernels with
+``RESSERVE_FUSED_LOSS=1``); on CUDA the model's RMSNorms give their eager bits with less memory
+traffic (`norm.fused_norms`; two fused kernels with ``RESSERVE_FUSED_NORM=1``), and gated MLPs'
+SiLU · up run fused with
 ``RESSERVE_FUSED_MLP=1`` (`mlp.fused_mlps`). The candidate products run in
 FP32 (the emulated linear's own arithmetic, `Candidates.member_outputs`) or as bf16 GEMMs on the
 same FP4 operands (`Candidates.prepare_fast` / `group_sums_fast`, see `bf16`), as

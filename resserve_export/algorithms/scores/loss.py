@@ -8,6 +8,13 @@ and the padding of the sliced-off last position, all ``[batch, seq, vocab]``. Fo
 vocabulary that is ≈ 30 GB of memory traffic per batch of 4 × 1024 tokens, and FP32 copies of
 2.5 GB each alive at once.
 
+By default on CUDA with Triton (`exact_wanted`) the loss is `_ExactLoss`: the forward as the eager
+ops (the same loss bits and the same saved log-softmax), and the backward as one kernel that
+writes the logits' gradient from the log-softmax with the eager chain's arithmetic and rounding,
+checked bit for bit against the eager backward on the first call of each vocabulary and dtype
+(a difference sends later calls to the eager loss). ``RESSERVE_FUSED_LOSS=0`` keeps the eager
+loss.
+
 On CUDA with Triton (`available`), and with ``RESSERVE_FUSED_LOSS=1`` (`wanted`: opt-in. On an
 H100 the model's forward + backward fell from 0.54 to 0.48 s, the scores moved by up to 4e-4
 relative, beyond the 2e-4 of the default kernels, and the scores from scratch were no faster;
