@@ -999,6 +999,56 @@ def test_build_ahead_error_reaches_the_caller(tiny_bf16, monkeypatch):
     assert not any(t.name == "resserve-candidates" for t in threading.enumerate())
 
 
+def _pools_built_in_forward(monkeypatch) -> list:
+    """The `CandidatePool`s that `build_in_forward` is called on from now on."""
+    pools = []
+    real = S.CandidatePool.build_in_forward
+
+    def spy(self, *a, **k):
+        pools.append(self)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(S.CandidatePool, "build_in_forward", spy)
+    return pools
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_candidates_built_in_the_forward_give_the_same_scores(tiny_bf16, precision, monkeypatch):
+    """Each group's candidates built in the first forward pass, as its first member runs
+    (`CandidatePool.build_in_forward`, the default on CUDA; forced here on the CPU), give the
+    scores of building them all first, bit for bit; each group is built once, and all of them
+    before the first backward pass asks for one."""
+    model, groups, batches, stats = tiny_bf16
+    monkeypatch.setenv("RESSERVE_SCORE_THREAD", "0")
+    pools = _pools_built_in_forward(monkeypatch)
+    seen = []
+    real_take = S.pool._InForward.take
+
+    def take(self, key):
+        seen.append(len(self.pending))
+        return real_take(self, key)
+
+    monkeypatch.setattr(S.pool._InForward, "take", take)
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setattr(S, "build_in_forward_wanted", lambda device, flag=flag: flag == "1")
+        runs[flag] = S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision=precision)
+    assert [g["scores"] for g in runs["1"]["groups"]] == [g["scores"] for g in runs["0"]["groups"]]
+    assert len(pools) == 1 and pools[0].builds == len(groups) and set(pools[0].kept) == {g.modules for g in groups}
+    assert seen and set(seen) == {0}  # every group was built in the forward before its first use
+    want = S.build_candidates(model, groups, stats, RATIOS)
+    for key, cand in pools[0].kept.items():
+        assert ("_fast_group" in cand.__dict__) == (precision == "bf16")
+        _same_candidates(cand, want[key])
+
+
+def test_build_in_forward_is_the_cuda_default(monkeypatch):
+    monkeypatch.delenv("RESSERVE_BUILD_IN_FORWARD", raising=False)
+    assert S.build_in_forward_wanted(torch.device("cuda", 0)) and not S.build_in_forward_wanted(torch.device("cpu"))
+    monkeypatch.setenv("RESSERVE_BUILD_IN_FORWARD", "0")
+    assert not S.build_in_forward_wanted(torch.device("cuda", 0))
+
+
 def test_build_ahead_is_opt_in(monkeypatch):
     monkeypatch.delenv("RESSERVE_BUILD_AHEAD", raising=False)
     assert not S.build_ahead_wanted(torch.device("cuda", 0)) and not S.build_ahead_wanted(torch.device("cpu"))
@@ -1019,6 +1069,30 @@ def test_gpu_candidates_built_ahead_give_the_same_candidates_and_scores(tiny_bf1
     runs = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("RESSERVE_BUILD_AHEAD", flag)
+        runs[flag] = S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision="bf16")
+    assert len(pools) == 1 and pools[0].builds == len(groups)
+    want = S.build_candidates(model, groups, stats, RATIOS)
+    for key, cand in pools[0].kept.items():
+        assert cand.qw[cand.ratios[0]][0].base.codes.is_cuda
+        _same_candidates(cand, want[key])
+    assert [g["scores"] for g in runs["1"]["groups"]] == [g["scores"] for g in runs["0"]["groups"]]
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_candidates_built_in_the_forward_give_the_same_candidates_and_scores(tiny_bf16, monkeypatch):
+    """On a GPU each group is built on a stream of its own during the first forward pass (the
+    default there): the candidates are the bits of `build_candidates` on the default stream, and
+    the scores are those of building all groups first."""
+    import copy
+
+    model, groups, batches, stats = tiny_bf16
+    model = copy.deepcopy(model).cuda()
+    monkeypatch.delenv("RESSERVE_BUILD_AHEAD", raising=False)
+    pools = _pools_built_in_forward(monkeypatch)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("RESSERVE_BUILD_IN_FORWARD", flag)
         runs[flag] = S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision="bf16")
     assert len(pools) == 1 and pools[0].builds == len(groups)
     want = S.build_candidates(model, groups, stats, RATIOS)

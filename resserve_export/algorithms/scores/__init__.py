@@ -139,11 +139,14 @@ def compute_scores(
                 bpw = bytes_per_weight_of(method, precision, device_of(model), dtype)
                 pool = candidates = CandidatePool(model, groups, stats, ratios, fmt, rounding, budget, bpw, base_weights)
                 # The grad hooks visit the groups last layer first: keep those that fit from there,
-                # built ahead on a thread of their own where `build_ahead_wanted`, else before the
-                # first batch, or, with a scoring thread, there on first use (`worker`).
+                # built ahead on a thread of their own where `build_ahead_wanted`, in the first
+                # forward pass where `build_in_forward_wanted` (CUDA), else before the first
+                # batch, or, with a scoring thread, there on first use (`worker`).
                 order = [g.modules for g in (reversed(groups) if method == "grad" else groups)]
                 if method == "grad" and build_ahead_wanted(device_of(model)):
                     pool.build_ahead(order, wprog, _operands(precision, dtype, device_of(model)))
+                elif method == "grad" and not wanted() and build_in_forward_wanted(device_of(model)):
+                    pool.build_in_forward(order, wprog, _operands(precision, dtype, device_of(model)))
                 elif not (method == "grad" and wanted()):
                     pool.prebuild(order, wprog)
             if method == "kl":
@@ -165,6 +168,14 @@ def build_ahead_wanted(device: torch.device) -> bool:
     passes leave room for. Opt-in (``RESSERVE_BUILD_AHEAD=1``, on any device): slower on an
     H100 (`pool`'s docstring)."""
     return os.environ.get("RESSERVE_BUILD_AHEAD", "") == "1"
+
+
+def build_in_forward_wanted(device: torch.device) -> bool:
+    """Whether the grad scores build each group's candidates in the first forward pass, as the
+    group's first member runs (`CandidatePool.build_in_forward`), instead of all of them before
+    it: on CUDA, where the build is host work that can run while the GPU works through the
+    forward launched before it (``RESSERVE_BUILD_IN_FORWARD=0`` builds them first)."""
+    return device.type == "cuda" and os.environ.get("RESSERVE_BUILD_IN_FORWARD", "") != "0"
 
 
 def _operands(precision: str, dtype: torch.dtype, device: torch.device):

@@ -48,6 +48,9 @@ class _GroupScorer:
         self.calls[i] += 1
         if k == len(self.slots):
             self.slots.append({"x": {}, "at": {}, "y": {}, "g": {}, "open": 0})
+            warm = getattr(self.cands, "warm", None)
+            if k == 0 and warm is not None:  # a pool that builds groups in the first forward pass
+                warm(self.key)
         slot = self.slots[k]
         slot["x"][i] = x
         slot["at"][i] = (x.data_ptr(), tuple(x.shape), x.stride())

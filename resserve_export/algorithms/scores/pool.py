@@ -6,7 +6,11 @@ budget (`default_budget`: half the memory free on the device) and rebuilds the o
 batch. Candidates are deterministic, so the scores are the same bits either way. The bytes a
 group takes per weight depend on the precision and layout (`precision.bytes_per_weight_of`).
 
-With ``RESSERVE_BUILD_AHEAD=1`` (opt-in: on an H100 it made the scores from scratch slower, 1.5
+On CUDA the grad scores build each group that fits in the first forward pass, as its first
+member runs (`CandidatePool.build_in_forward`), on a CUDA stream of their own: the host builds a
+group while the GPU works through the forward launched before it, instead of the GPU idling
+through a build of every group before the first batch (``RESSERVE_BUILD_IN_FORWARD=0`` builds
+them first). With ``RESSERVE_BUILD_AHEAD=1`` (opt-in: on an H100 it made the scores from scratch slower, 1.5
 and 2.2 s against 1.2 and 1.6 s building first, as the build thread takes host time from the
 scoring's launches; bench/results/plan.md) the grad
 scores build the groups that fit ahead of their use (`CandidatePool.build_ahead`):
@@ -60,10 +64,13 @@ class CandidatePool:
         self.kept: dict[tuple[str, ...], Candidates] = {}
         self.used, self.builds = 0, 0
         self._ahead: _Ahead | None = None
+        self._later: _InForward | None = None
 
     def __getitem__(self, key: tuple[str, ...]) -> Candidates:
         if self._ahead is not None and key in self._ahead.pending:
             return self._ahead.take(key)
+        if self._later is not None and self._later.owns(key):
+            return self._later.take(key)
         if key in self.kept:
             return self.kept[key]
         cand = self._build(key)
@@ -95,11 +102,26 @@ class CandidatePool:
         on the thread after each build (the bf16 weight operands). `close` ends the thread."""
         self._ahead = _Ahead(self, self._fits(list(order)), progress, prepare)
 
+    def build_in_forward(self, order, progress=None, prepare: Callable[[Candidates], None] | None = None) -> None:
+        """Keep the groups that fit, in `order`, but build each one when `warm` is called for it
+        (the grad scores call it from the first forward pass, as the group's first member runs),
+        on a CUDA stream of its own (`_InForward`), or when first asked for. `prepare(candidates)`
+        runs after each build (the bf16 weight operands)."""
+        self._later = _InForward(self, self._fits(list(order)), progress, prepare)
+
+    def warm(self, key: tuple[str, ...]) -> None:
+        """Build group `key` now if `build_in_forward` left it for later (else nothing)."""
+        if self._later is not None:
+            self._later.build(key)
+
     def close(self, raise_error: bool = True) -> None:
         """Wait for a `build_ahead` thread to end (raising its error, if any and `raise_error`)."""
         if self._ahead is not None:
             ahead, self._ahead = self._ahead, None
             ahead.close(raise_error)
+        if self._later is not None:
+            later, self._later = self._later, None
+            later.close()
 
     def prebuild(self, order, progress=None) -> None:
         """Build (and keep) the groups that fit, in `order`, reporting ``progress(done, total)``."""
@@ -173,3 +195,50 @@ class _Ahead:
         if self.error is not None and raise_error:
             raise self.error
 
+
+
+class _InForward:
+    """The groups of `CandidatePool.build_in_forward`. A build runs on a CUDA stream of its own,
+    so its host syncs (the weight α read back, copies from host memory) wait for the builds'
+    own kernels, not for the model's forward queued on the main stream: the host does a group's
+    build while the GPU runs the forward launched before it. An event recorded after each build
+    is waited for by the stream that first uses the group (`take`)."""
+
+    def __init__(self, pool: CandidatePool, keys: list, progress, prepare):
+        self.pool, self.progress, self.prepare = pool, progress, prepare
+        self.pending = dict.fromkeys(keys)
+        self.total = len(keys)
+        self.events: dict = {}
+        weight = next(iter(pool.model.parameters()), None)
+        self.device = weight.device if weight is not None else torch.device("cpu")
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def owns(self, key) -> bool:
+        return key in self.pending or key in self.events
+
+    def build(self, key) -> None:
+        if key not in self.pending:
+            return
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            cand = self.pool._build(key)
+            if self.prepare is not None:
+                self.prepare(cand)
+            if self.stream is not None:
+                self.events[key] = self.stream.record_event()
+        del self.pending[key]
+        self.pool.kept[key] = cand
+        if self.progress is not None:
+            self.progress(self.total - len(self.pending), self.total)
+
+    def take(self, key) -> Candidates:
+        self.build(key)
+        ev = self.events.pop(key, None)
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+        return self.pool.kept[key]
+
+    def close(self) -> None:
+        if self.device.type == "cuda" and self.stream is not None:
+            # Candidates made on this stream go back to its memory pool when dropped; nothing
+            # queued on another stream may still read them by then.
+            torch.cuda.synchronize(self.device)
