@@ -1021,16 +1021,17 @@ def test_candidates_built_in_the_forward_give_the_same_scores(tiny_bf16, precisi
     model, groups, batches, stats = tiny_bf16
     monkeypatch.setenv("RESSERVE_SCORE_THREAD", "0")
     pools = _pools_built_in_forward(monkeypatch)
-    seen = []
-    real_take = S.pool._InForward.take
+    seen = []  # groups still to build whenever the scoring asks the pool for one
+    real_get = S.CandidatePool.__getitem__
 
-    def take(self, key):
-        seen.append(len(self.pending))
-        return real_take(self, key)
+    def get(self, key):
+        seen.append(None if self._later is None else len(self._later.pending))
+        return real_get(self, key)
 
-    monkeypatch.setattr(S.pool._InForward, "take", take)
+    monkeypatch.setattr(S.CandidatePool, "__getitem__", get)
     runs = {}
-    for flag in ("0", "1"):
+    for flag in ("0", "1"):  # `seen` keeps the second run's
+        seen.clear()
         monkeypatch.setattr(S, "build_in_forward_wanted", lambda device, flag=flag: flag == "1")
         runs[flag] = S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision=precision)
     assert [g["scores"] for g in runs["1"]["groups"]] == [g["scores"] for g in runs["0"]["groups"]]
