@@ -928,16 +928,17 @@ def _same_candidates(a, b) -> None:
         assert torch.equal(b0, c0) and res.keys() == cres.keys() and all(torch.equal(res[r], cres[r]) for r in res)
 
 
-def _pools_built_ahead(monkeypatch) -> list:
-    """The `CandidatePool`s that `build_ahead` is called on from now on (appended as it is)."""
+def _pools_calling(monkeypatch, method: str) -> list:
+    """The `CandidatePool`s that `method` (``build_ahead``, ``build_in_forward``) is called on
+    from now on (appended as it is)."""
     pools = []
-    real = S.CandidatePool.build_ahead
+    real = getattr(S.CandidatePool, method)
 
     def spy(self, *a, **k):
         pools.append(self)
         return real(self, *a, **k)
 
-    monkeypatch.setattr(S.CandidatePool, "build_ahead", spy)
+    monkeypatch.setattr(S.CandidatePool, method, spy)
     return pools
 
 
@@ -950,7 +951,7 @@ def test_candidates_built_ahead_give_the_same_scores(tiny_bf16, precision, threa
 
     model, groups, batches, stats = tiny_bf16
     monkeypatch.setenv("RESSERVE_SCORE_THREAD", thread)
-    pools = _pools_built_ahead(monkeypatch)
+    pools = _pools_calling(monkeypatch, "build_ahead")
     runs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("RESSERVE_BUILD_AHEAD", flag)
@@ -999,19 +1000,6 @@ def test_build_ahead_error_reaches_the_caller(tiny_bf16, monkeypatch):
     assert not any(t.name == "resserve-candidates" for t in threading.enumerate())
 
 
-def _pools_built_in_forward(monkeypatch) -> list:
-    """The `CandidatePool`s that `build_in_forward` is called on from now on."""
-    pools = []
-    real = S.CandidatePool.build_in_forward
-
-    def spy(self, *a, **k):
-        pools.append(self)
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(S.CandidatePool, "build_in_forward", spy)
-    return pools
-
-
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_candidates_built_in_the_forward_give_the_same_scores(tiny_bf16, precision, monkeypatch):
     """Each group's candidates built in the first forward pass, as its first member runs
@@ -1020,7 +1008,7 @@ def test_candidates_built_in_the_forward_give_the_same_scores(tiny_bf16, precisi
     before the first backward pass asks for one."""
     model, groups, batches, stats = tiny_bf16
     monkeypatch.setenv("RESSERVE_SCORE_THREAD", "0")
-    pools = _pools_built_in_forward(monkeypatch)
+    pools = _pools_calling(monkeypatch, "build_in_forward")
     seen = []  # groups still to build whenever the scoring asks the pool for one
     real_get = S.CandidatePool.__getitem__
 
@@ -1059,41 +1047,21 @@ def test_build_ahead_is_opt_in(monkeypatch):
 
 @pytest.mark.gpu
 @cuda
-def test_gpu_candidates_built_ahead_give_the_same_candidates_and_scores(tiny_bf16, monkeypatch):
-    """On a GPU the thread builds on a CUDA stream of its own: the candidates are the bits of
-    `build_candidates` on the default stream, and the scores are those of building first."""
+@pytest.mark.parametrize("method,switch", [("build_ahead", "RESSERVE_BUILD_AHEAD"), ("build_in_forward", "RESSERVE_BUILD_IN_FORWARD")])
+def test_gpu_candidates_built_on_their_own_stream_give_the_same_candidates_and_scores(tiny_bf16, method, switch, monkeypatch):
+    """On a GPU the candidates built on a CUDA stream of their own, by the thread that builds them
+    ahead (opt-in) or in the first forward pass (the default there), are the bits of
+    `build_candidates` on the default stream, and the scores are those of building all first."""
     import copy
 
     model, groups, batches, stats = tiny_bf16
     model = copy.deepcopy(model).cuda()
-    pools = _pools_built_ahead(monkeypatch)
+    for name in ("RESSERVE_BUILD_AHEAD", "RESSERVE_BUILD_IN_FORWARD"):
+        monkeypatch.setenv(name, "0")
+    pools = _pools_calling(monkeypatch, method)
     runs = {}
     for flag in ("1", "0"):
-        monkeypatch.setenv("RESSERVE_BUILD_AHEAD", flag)
-        runs[flag] = S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision="bf16")
-    assert len(pools) == 1 and pools[0].builds == len(groups)
-    want = S.build_candidates(model, groups, stats, RATIOS)
-    for key, cand in pools[0].kept.items():
-        assert cand.qw[cand.ratios[0]][0].base.codes.is_cuda
-        _same_candidates(cand, want[key])
-    assert [g["scores"] for g in runs["1"]["groups"]] == [g["scores"] for g in runs["0"]["groups"]]
-
-
-@pytest.mark.gpu
-@cuda
-def test_gpu_candidates_built_in_the_forward_give_the_same_candidates_and_scores(tiny_bf16, monkeypatch):
-    """On a GPU each group is built on a stream of its own during the first forward pass (the
-    default there): the candidates are the bits of `build_candidates` on the default stream, and
-    the scores are those of building all groups first."""
-    import copy
-
-    model, groups, batches, stats = tiny_bf16
-    model = copy.deepcopy(model).cuda()
-    monkeypatch.delenv("RESSERVE_BUILD_AHEAD", raising=False)
-    pools = _pools_built_in_forward(monkeypatch)
-    runs = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("RESSERVE_BUILD_IN_FORWARD", flag)
+        monkeypatch.setenv(switch, flag)
         runs[flag] = S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision="bf16")
     assert len(pools) == 1 and pools[0].builds == len(groups)
     want = S.build_candidates(model, groups, stats, RATIOS)
