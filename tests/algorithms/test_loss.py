@@ -50,6 +50,21 @@ def test_cpu_loss_is_the_summed_fp32_log_softmax_over_valid_targets(opt_in, monk
     assert math.isclose(float(value), want, rel_tol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_eager_backward_from_the_log_softmax_is_autograds(dtype):
+    """`loss._eager_backward` (what `_ExactLoss` falls back to where its kernel cannot run): the
+    logits' gradient of the eager loss from its saved log-softmax, bit for bit autograd's, for an
+    incoming gradient of 1 and of another value."""
+    logits, ids, mask = _case(dtype, V=700)
+    valid = mask.bool()
+    ok = valid[:, 1:] & valid[:, :-1]
+    for g in (1.0, 0.37):
+        x = logits.clone().requires_grad_(True)
+        (L.eager_loss(x, ids, ok) * g).backward()
+        lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        assert torch.equal(L._eager_backward(lp, ids, ok, torch.tensor(g), dtype), x.grad)
+
+
 def _ulp_bf16(x: torch.Tensor) -> torch.Tensor:
     """The bf16 spacing at |x| (2^-133 floor for zeros and subnormals)."""
     e = torch.floor(torch.log2(x.float().abs().clamp_min(2.0**-126)))
@@ -96,6 +111,26 @@ def _exact_cases(device: str) -> None:
             assert torch.equal(got[0], eager[0]) and torch.equal(got[1], eager[1]), dtype
         kept = L._EXACT_CHECKED[L._exact_key(logits)]
         assert kept or (device == "cpu" and dtype != torch.bfloat16), (device, dtype)
+    # A kernel that cannot run: the eager chain's gradient, and the eager loss from then on.
+    real = L._exact_kernel
+
+    class _Broken:
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                raise RuntimeError("no kernel here")
+
+            return launch
+
+    L._exact_kernel = lambda: _Broken()
+    try:
+        logits, ids, mask = _case(torch.bfloat16, V=3000, device=device)
+        L._EXACT_CHECKED.clear()
+        got = _grads(lambda x, i, ok: L.next_token_loss(x, i, mask)[0], logits, ids, mask)
+        assert torch.equal(got[1], _grads(L.eager_loss, logits, ids, mask)[1])
+        assert L._EXACT_CHECKED[L._exact_key(logits)] is False and not L.exact_wanted(logits)
+    finally:
+        L._exact_kernel = real
+        L._EXACT_CHECKED.clear()
     # Another gradient than 1 flows through the same arithmetic.
     logits, ids, mask = _case(torch.bfloat16, V=3000, device=device)
     x = logits.clone().requires_grad_(True)

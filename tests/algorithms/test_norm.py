@@ -125,6 +125,8 @@ def test_exact_mode_checks_send_a_class_back_on_a_mismatch():
     got = check(x, other, wrong)
     assert torch.equal(got, want) and forms[cls] is None
     forms[cls] = "llama"
+    assert torch.equal(check(x, dy, None), want) and forms[cls] is None  # the kernel raised: eager, and back to its own
+    forms[cls] = "llama"
     y = m(x)
     assert checks.output(cls, x, y, m.forward) is y and forms[cls] == "llama"
     bad = y.clone()
@@ -230,6 +232,15 @@ def _model_cases(device: str) -> None:
         assert not any("forward" in m.__dict__ for m in model.modules())
         if how == "exact":  # the eager chain's bits: the same loss and input gradient
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), family
+            # A backward kernel that cannot run: the eager gradient, and the class back to its own.
+            real = NM._exact_backward
+            NM._exact_backward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no kernel here"))
+            try:
+                with _deterministic_attention(), NM.fused_norms(model) as forms:
+                    again = _loss_and_grad(model, ids)
+            finally:
+                NM._exact_backward = real
+            assert torch.equal(again[1], want[1]) and forms == {type(next(m for m in model.modules() if type(m).__name__ == cls_name)): None}
             continue
         if how == "backward":
             assert torch.equal(got[0], want[0])

@@ -138,8 +138,8 @@ class _ExactLoss(torch.autograd.Function):
     eager chain's arithmetic and rounding, without its zero-filled FP32 tensors, scatter, copy and
     padding passes (≈ 4 GB of traffic per batch of 4 × 1024 tokens at a 151,936-token vocabulary,
     against ≈ 18). The first call for a vocabulary and dtype also runs the eager backward and
-    compares the two bit for bit; a difference sends every later call to the eager loss, and that
-    call takes the eager gradient."""
+    compares the two bit for bit; a difference, or a kernel that cannot run, sends every later call
+    to the eager loss, and that call takes the eager gradient."""
 
     @staticmethod
     def forward(ctx, logits, ids, target_ok):
@@ -161,12 +161,16 @@ class _ExactLoss(torch.autograd.Function):
         tgt = ids[:, 1:].contiguous()
         gs = g.detach().to(device=lp.device, dtype=torch.float32).reshape(1)
         rows = B * (S - 1)
-        if rows and V:
-            with launch_device(lp):
-                _exact_kernel()[(rows, _cdiv(V, _EXACT_BLOCK))](
-                    lp, out, tgt, ok.contiguous(), gs, S - 1, V, lp.stride(0), lp.stride(1), out.stride(0), out.stride(1),
-                    KIND=1 if ctx.dtype == torch.bfloat16 else 0, LIBDEVICE=lp.is_cuda, BLOCK=_EXACT_BLOCK, num_warps=8, enable_fp_fusion=False,
-                )
+        try:
+            if rows and V:
+                with launch_device(lp):
+                    _exact_kernel()[(rows, _cdiv(V, _EXACT_BLOCK))](
+                        lp, out, tgt, ok.contiguous(), gs, S - 1, V, lp.stride(0), lp.stride(1), out.stride(0), out.stride(1),
+                        KIND=1 if ctx.dtype == torch.bfloat16 else 0, LIBDEVICE=lp.is_cuda, BLOCK=_EXACT_BLOCK, num_warps=8, enable_fp_fusion=False,
+                    )
+        except Exception:  # noqa: BLE001 - a kernel that cannot run here: the eager chain, from now on
+            _EXACT_CHECKED[ctx.key] = False
+            return _eager_backward(lp, ids, ok.bool(), g, ctx.dtype), None, None
         if ctx.logits is not None:  # the first call of its kind: the eager backward too
             with torch.enable_grad():
                 x = ctx.logits.requires_grad_(True)
@@ -177,6 +181,17 @@ class _ExactLoss(torch.autograd.Function):
             if not same:
                 return want, None, None
         return out, None, None
+
+
+def _eager_backward(lp: torch.Tensor, ids: torch.Tensor, target_ok: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The logits' gradient of `eager_loss` from its saved log-softmax, by the ops autograd runs
+    for it (the sum's and the selection's gradient, the gather's scatter into zeros, the
+    log-softmax's backward, the narrowing and the padding of the last position)."""
+    gn = torch.zeros(target_ok.shape, dtype=torch.float32, device=lp.device)
+    gn[target_ok] = g.to(torch.float32)
+    go = torch.zeros_like(lp).scatter_add_(-1, ids[:, 1:, None], -gn[..., None])
+    gx = torch._log_softmax_backward_data(go, lp, -1, torch.float32).to(dtype)
+    return torch.cat([gx, gx.new_zeros((gx.shape[0], 1, gx.shape[2]))], dim=1)
 
 
 def _exact_key(logits: torch.Tensor) -> tuple:

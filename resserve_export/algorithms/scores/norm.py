@@ -262,8 +262,8 @@ class _ExactNorm(torch.autograd.Function):
     """RMSNorm of a contiguous x with the eager chain's bits, forward and backward: the
     elementwise steps in `_exact_kernels`, the two row reductions through PyTorch's own ops (module
     docstring). Keeps x and each row's 1/rms for the backward (not the eager chain's FP32 copies).
-    `check`: called on the backward's arguments and result, to compare them with autograd's
-    (`_LayoutCheck`); it may return the gradient to use instead."""
+    `check`: called on the backward's arguments and result (None where the kernels raised), to
+    compare them with autograd's (`_Checks.backward`); it may return the gradient to use instead."""
 
     @staticmethod
     def forward(ctx, x, w, eps: float, gemma: bool, check):
@@ -288,7 +288,12 @@ class _ExactNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, wk, r = ctx.saved_tensors
-        dx = _exact_backward(x, wk, r, dy, ctx.gemma)
+        try:
+            dx = _exact_backward(x, wk, r, dy, ctx.gemma)
+        except Exception:  # noqa: BLE001 - a kernel that cannot run here: the eager gradient (below)
+            if ctx.check is None:
+                raise
+            dx = None
         if ctx.check is not None:
             dx = ctx.check(x, dy, dx)
         return dx, None, None, None, None
@@ -408,8 +413,13 @@ def _form_of(weight: torch.Tensor, eps: float, x: torch.Tensor, own, how: str) -
             if not _covered(xd, weight, form) or (how == "exact" and not _exact_input(xd)):
                 continue
             xf = xd.clone().requires_grad_(True)
-            got = _apply(xf, weight, eps, form, own, how)
-            (gx,) = torch.autograd.grad(got, xf, dy)
+            try:
+                got = _apply(xf, weight, eps, form, own, how)
+                (gx,) = torch.autograd.grad(got, xf, dy)
+            except Exception:  # noqa: BLE001 - kernels that cannot run here: the module's own forward
+                if how != "exact":
+                    raise
+                return None
             if same(got.detach(), want.detach()) and same(gx, gx_want):
                 return form
     return None
@@ -424,8 +434,8 @@ class _Checks:
     """The ``exact`` mode's checks beyond a class's first call, each made once: the output for
     every new (width, dtype), and x's gradient for every new layout of the output's gradient (the
     backward's row sum runs on a tensor of that layout), each against the module's own forward and
-    autograd, bit for bit. A mismatch sends the class back to its own forward from then on, and
-    the call that found it takes the eager result."""
+    autograd, bit for bit. A mismatch, or a kernel that raises, sends the class back to its own
+    forward from then on, and the call that found it takes the eager result."""
 
     def __init__(self, forms: dict):
         self.forms, self.seen = forms, set()
@@ -445,12 +455,12 @@ class _Checks:
     def backward(self, cls, own):
         def check(x, dy, dx):
             key = (cls, "grad", x.shape[-1], x.dtype, dy.dim(), tuple(sorted(range(dy.dim()), key=lambda d: -dy.stride(d))), dy.is_contiguous())
-            if key in self.seen:
+            if dx is not None and key in self.seen:
                 return dx
             with torch.enable_grad():
                 xw = x.detach().requires_grad_(True)
                 (want,) = torch.autograd.grad(own(xw), xw, dy)
-            if not identical(dx, want):
+            if dx is None or not identical(dx, want):
                 self.forms[cls] = None
                 return want
             self.seen.add(key)
@@ -532,7 +542,12 @@ def fused_norms(model: nn.Module):
                 return _apply(x, mod.weight, eps, form, own, how)
             if not _exact_input(x):
                 return own(x)
-            y = checks.output(cls, x, _apply(x, mod.weight, eps, form, own, how, checks.backward(cls, own)), own)
+            try:
+                y = _apply(x, mod.weight, eps, form, own, how, checks.backward(cls, own))
+            except Exception:  # noqa: BLE001 - a kernel that cannot run here: the class keeps its own
+                forms[cls] = None
+                return own(x)
+            y = checks.output(cls, x, y, own)
             return own(x) if y is None else y
 
         return forward

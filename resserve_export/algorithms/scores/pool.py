@@ -219,7 +219,8 @@ class _InForward:
     def build(self, key) -> None:
         if key not in self.pending:
             return
-        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+        # Inside the model's forward: no autograd history for the candidates' tensors.
+        with torch.no_grad(), torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             cand = self.pool._build(key)
             if self.prepare is not None:
                 self.prepare(cand)
