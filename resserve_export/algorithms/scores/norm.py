@@ -14,7 +14,7 @@ per-head q/k norms) are the largest share of the model's own non-GEMM memory tra
   backward's row sum into 1/rms's gradient) through PyTorch's own ops on tensors of the layout
   autograd gives them, so they sum in PyTorch's order. Output and input gradient are the eager
   ones bit for bit, and the scores with them (up to the model's own nondeterministic backward on a
-  GPU). About 18 bytes a hidden-state element for forward and backward instead of ≈ 120, and
+  GPU). About 32 bytes a hidden-state element for forward and backward together instead of ≈ 120, and
   only x and one FP32 number a row kept for the backward. That is checked, not assumed (`_Checks`):
   on a class's first call its output and input gradient under a random output gradient, and later
   the output for every new width and dtype and the gradient for every new layout of the output's
