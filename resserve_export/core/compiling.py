@@ -124,4 +124,12 @@ def kernel_available(device, kernel, interpret: bool = False) -> bool:
     return kernel() is not None
 
 
-__all__ = ["RECOMPILE_LIMIT", "compile_or_eager", "triton_modules", "triton_kernel", "kernel_available", "launch_device"]
+def identical(y: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether a kernel's `y` is the eager `want` bit for bit (shape, dtype and values; NaN where
+    NaN): what a kernel that claims the eager bits is checked against before it is used."""
+    if y.shape != want.shape or y.dtype != want.dtype:
+        return False
+    return bool(((y == want) | (torch.isnan(y) & torch.isnan(want))).all())
+
+
+__all__ = ["RECOMPILE_LIMIT", "compile_or_eager", "triton_modules", "triton_kernel", "kernel_available", "launch_device", "identical"]

@@ -38,7 +38,7 @@ import os
 import torch
 
 from resserve_export.algorithms.scores.batches import valid_tokens
-from resserve_export.core.compiling import kernel_available, launch_device, triton_kernel
+from resserve_export.core.compiling import identical, kernel_available, launch_device, triton_kernel
 
 # Vocabulary columns per step of the forward's row loop, and per program of the backward.
 _FWD_BLOCK = 2048
@@ -175,7 +175,7 @@ class _ExactLoss(torch.autograd.Function):
             with torch.enable_grad():
                 x = ctx.logits.requires_grad_(True)
                 (want,) = torch.autograd.grad(eager_loss(x, ids, ok.bool()), x, g)
-            same = bool(((out == want) | (torch.isnan(out) & torch.isnan(want))).all())
+            same = identical(out, want)
             _EXACT_CHECKED[ctx.key] = same
             ctx.logits = None
             if not same:

@@ -54,7 +54,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from resserve_export.core.compiling import kernel_available, launch_device, triton_kernel
+from resserve_export.core.compiling import identical, kernel_available, launch_device, triton_kernel
 
 # How the kernels round their FP32 results to the input's dtype (a constexpr of both kernels).
 # FP32 models keep their own norms: there an ulp of difference in a row's 1/rms moves the last
@@ -317,22 +317,21 @@ def _exact_backward(x: torch.Tensor, wk: torch.Tensor, r: torch.Tensor, dy: torc
     _, _, kernel = _exact_kernels()
     N = x.shape[-1]
     rows = x.numel() // N if N else 0
-    if _lead(dy) is None:
+    din = _lead(dy)
+    if din is None:
         dy = dy.contiguous()
-    t = torch.empty_like(dy, dtype=torch.float32)  # dy's strides where dy is dense
-    if _lead(t) is None:
-        t = torch.empty(dy.shape, dtype=torch.float32, device=dy.device)
+        din = _lead(dy)
+    # dy's strides where dy is dense, else contiguous: a last dim of unit stride either way.
+    t = torch.empty_like(dy, dtype=torch.float32)
     block = _next_power_of_2(N)
     kind = _KIND[x.dtype]
-    din = _lead(dy)
     with launch_device(x):
         if rows:
             kernel[(rows,)](dy, wk, x, r, r, t, N, *din, *_lead(t)[2:], GEMMA=gemma, KIND=kind, GRAD=False, BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
         s = t.sum(-1, keepdim=True)
         del t
         # rsqrt's backward (−½·g·r³), then the mean's (g / N), as autograd's formulas write them.
-        gp = (((-0.5 * s) * r.pow(3)) / N).reshape(-1)
-        gp = gp if gp.is_contiguous() else gp.contiguous()
+        gp = (((-0.5 * s) * r.pow(3)) / N).reshape(-1).contiguous()
         dx = torch.empty_like(x, memory_format=torch.contiguous_format)
         if rows:
             kernel[(rows,)](dy, wk, x, r, gp, dx, N, *din, *_lead(dx)[2:], GEMMA=gemma, KIND=kind, GRAD=True, BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
@@ -487,13 +486,6 @@ def _covered(x: torch.Tensor, w: torch.Tensor, form: str) -> bool:
     """Whether a form's kernels cover these dtypes: the eager Llama form's output takes the
     weight's dtype, so it must be x's; Gemma's is x's own."""
     return x.dtype in _KIND and x.shape[-1] == w.shape[0] and (form == "gemma" or w.dtype == x.dtype)
-
-
-def identical(y: torch.Tensor, want: torch.Tensor) -> bool:
-    """Whether `y` is `want` bit for bit (shape, dtype and values; NaN where NaN)."""
-    if y.shape != want.shape or y.dtype != want.dtype:
-        return False
-    return bool(((y == want) | (torch.isnan(y) & torch.isnan(want))).all())
 
 
 def agrees(y: torch.Tensor, want: torch.Tensor) -> bool:

@@ -146,8 +146,7 @@ class _Ahead:
         self.events: dict = {}
         self.error: BaseException | None = None
         self.stop = False
-        weight = next(iter(pool.model.parameters()), None)
-        self.device = weight.device if weight is not None else torch.device("cpu")
+        self.device = _device(pool)
         self.threads = torch.get_num_threads()
         self.thread = threading.Thread(target=self._run, name="resserve-candidates", daemon=True)
         self.thread.start()
@@ -159,12 +158,7 @@ class _Ahead:
             for k, key in enumerate(self.keys):
                 if self.stop:
                     break
-                with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                    cand = self.pool._build(key)
-                    if self.prepare is not None:
-                        self.prepare(cand)
-                    if stream is not None:
-                        self.events[key] = stream.record_event()
+                cand = _build_on(self.pool, key, stream, self.prepare, self.events)
                 self.pool.kept[key] = cand
                 self.done[key].set()
                 if self.progress is not None:
@@ -180,18 +174,13 @@ class _Ahead:
         if key not in self.pool.kept:
             raise self.error if self.error is not None else RuntimeError(f"candidates of {key} were not built")
         self.pending.discard(key)
-        ev = self.events.pop(key, None)
-        if ev is not None:
-            torch.cuda.current_stream(self.device).wait_event(ev)
+        _wait_for(self.events, key, self.device)
         return self.pool.kept[key]
 
     def close(self, raise_error: bool) -> None:
         self.stop = True
         self.thread.join()
-        if self.device.type == "cuda":
-            # Candidates made on the thread's stream go back to its memory pool when dropped;
-            # nothing queued on another stream may still read them by then.
-            torch.cuda.synchronize(self.device)
+        _release(self.device)
         if self.error is not None and raise_error:
             raise self.error
 
@@ -209,8 +198,7 @@ class _InForward:
         self.pending = dict.fromkeys(keys)
         self.total = len(keys)
         self.events: dict = {}
-        weight = next(iter(pool.model.parameters()), None)
-        self.device = weight.device if weight is not None else torch.device("cpu")
+        self.device = _device(pool)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def owns(self, key) -> bool:
@@ -219,13 +207,8 @@ class _InForward:
     def build(self, key) -> None:
         if key not in self.pending:
             return
-        # Inside the model's forward: no autograd history for the candidates' tensors.
-        with torch.no_grad(), torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            cand = self.pool._build(key)
-            if self.prepare is not None:
-                self.prepare(cand)
-            if self.stream is not None:
-                self.events[key] = self.stream.record_event()
+        with torch.no_grad():  # inside the model's forward: no autograd history for the candidates
+            cand = _build_on(self.pool, key, self.stream, self.prepare, self.events)
         del self.pending[key]
         self.pool.kept[key] = cand
         if self.progress is not None:
@@ -233,13 +216,40 @@ class _InForward:
 
     def take(self, key) -> Candidates:
         self.build(key)
-        ev = self.events.pop(key, None)
-        if ev is not None:
-            torch.cuda.current_stream(self.device).wait_event(ev)
+        _wait_for(self.events, key, self.device)
         return self.pool.kept[key]
 
     def close(self) -> None:
-        if self.device.type == "cuda" and self.stream is not None:
-            # Candidates made on this stream go back to its memory pool when dropped; nothing
-            # queued on another stream may still read them by then.
-            torch.cuda.synchronize(self.device)
+        _release(self.device)
+
+
+def _device(pool: CandidatePool) -> torch.device:
+    """Where the pool's model (its first parameter) is: where its candidates are built."""
+    weight = next(iter(pool.model.parameters()), None)
+    return weight.device if weight is not None else torch.device("cpu")
+
+
+def _build_on(pool: CandidatePool, key, stream, prepare, events: dict) -> Candidates:
+    """Group `key`'s candidates built on `stream` (None: the current one), `prepare` run on them,
+    and, on a stream, an event recorded after them in ``events[key]``."""
+    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        cand = pool._build(key)
+        if prepare is not None:
+            prepare(cand)
+        if stream is not None:
+            events[key] = stream.record_event()
+    return cand
+
+
+def _wait_for(events: dict, key, device: torch.device) -> None:
+    """Make the current stream wait for group `key`'s build event, once (none: nothing)."""
+    ev = events.pop(key, None)
+    if ev is not None:
+        torch.cuda.current_stream(device).wait_event(ev)
+
+
+def _release(device: torch.device) -> None:
+    """Before candidates made on a stream of their own can be dropped: they go back to that
+    stream's memory pool, so nothing queued on another stream may still read them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
