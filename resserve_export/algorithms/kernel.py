@@ -40,6 +40,9 @@ from resserve_export.formats.qtensor import FP4Tensor
 BACKENDS = ("auto", "cuda", "reference")
 _ROUNDING_CODE = {ScaleRounding.CEIL: 0, ScaleRounding.FLOOR: 1, ScaleRounding.EVEN: 2}
 _SOURCES = ("quantize_extend.cu", "exact_operand.cu", "binding.cpp")
+# The grad scores' group reduction: an extension of its own, so that its build failing leaves the
+# quantize-and-extend kernel usable.
+_GROUP_SOURCES = ("group_sums.cu", "group_sums_binding.cpp")
 # Compiler flags: no fast math, and no multiply fused into an add anywhere (the order of docs/formats.md, "NVFP4").
 CUDA_FLAGS = ("-O3", "-std=c++17", "-fmad=false")
 # Rows each thread loads before computing (1, 2 or 4): more bytes in flight per thread.
@@ -105,6 +108,36 @@ def _extension():
         extra_cuda_cflags=list(CUDA_FLAGS),
         verbose=os.environ.get("RESSERVE_KERNEL_VERBOSE") == "1",
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _group_extension():
+    """Build (or load the cached build of) the group-reduction extension for the GPU present."""
+    if not KERNEL_AVAILABLE:
+        raise KernelUnavailable(KERNEL_UNAVAILABLE_REASON)
+    d = kernels_dir()
+    missing = [s for s in _GROUP_SOURCES if not (d / s).is_file()]
+    if missing:
+        raise KernelUnavailable(f"the kernel sources {missing} were not found in {d}")
+    major, minor = torch.cuda.get_device_capability()
+    os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
+    return load(
+        name=f"resserve_gsums_sm{major}{minor}",
+        sources=[str(d / s) for s in _GROUP_SOURCES],
+        extra_cflags=["-O3", "-std=c++17"],
+        extra_cuda_cflags=list(CUDA_FLAGS),
+        verbose=os.environ.get("RESSERVE_KERNEL_VERBOSE") == "1",
+    )
+
+
+def group_sums_split(xhat, x, extras, b0, wres, weights, grads, rows, c) -> torch.Tensor:
+    """The grad scores' split-layout sums of one decision group in one call of the extension
+    (kernels/group_sums_binding.cpp): the residue products ``extras[j] @ wres[j]ᵀ``, the stacked
+    product ``xhat @ b0ᵀ`` and each member's ``x @ weights[k]ᵀ`` (FP32 outputs), the same ATen
+    GEMMs as `Candidates.group_sums_fast` makes; then each member's squared sums over its columns
+    ``[rows[k], rows[k+1])`` (kernels/group_sums.cu). float64 ``[1 + len(extras)]``, summed over
+    the members. `c`: α_x·α_w, an FP32 scalar on the device."""
+    return _group_extension().group_sums_split(xhat, x, list(extras), b0, list(wres), list(weights), list(grads), list(rows), c)
 
 
 # The kernel's ksel for full compensation; a partial ratio's is the channels it selects per group of 8.
@@ -388,6 +421,7 @@ __all__ = [
     "KernelUnavailable",
     "backend_for",
     "exact_bf16",
+    "group_sums_split",
     "kernels_dir",
     "quantize_extend",
     "quantize_full",

@@ -796,6 +796,121 @@ def test_group_products_over_stacked_members_equal_the_members(split):
                 assert torch.equal(direct.ext.codes, c.qw[r][i].ext.codes) and torch.equal(direct.ext.scales, c.qw[r][i].ext.scales)
 
 
+def _three_members(fmt: str, device: str, dtype: torch.dtype, seed: int = 5):
+    """(Candidates, x, gradients) of a three-member group of `dtype` linears on `device`, with
+    outlier channels; the second gradient is a column block of a wider tensor (row-strided)."""
+    from resserve_export.modeling.groups import Group
+
+    torch.manual_seed(seed)
+    K, widths = 256, (96, 48, 160)
+    model = torch.nn.Module()
+    for name, n in zip("abc", widths):
+        lin = torch.nn.Linear(K, n, bias=False).to(dtype)
+        with torch.no_grad():
+            lin.weight.mul_(1.0 + 6.0 * (torch.rand(K) < 0.05))
+        setattr(model, name, lin)
+    model.to(device)
+    x = torch.randn(300, K) * 2
+    x[:, 7] *= 40
+    x = x.to(dtype)
+    st = {m: {"mean_abs": x.float().abs().mean(0), "amax": x.float().abs().amax()} for m in "abc"}
+    c = C.Candidates(model, Group(tuple("abc"), K, widths), st, RATIOS, fmt, "ceil")
+    grads = [torch.randn(300, widths[0]), torch.randn(300, 2 * widths[1])[:, widths[1] :], torch.randn(300, widths[2])]
+    return c, x.to(device), [g.to(dtype).to(device) for g in grads]
+
+
+@pytest.mark.gpu
+@triton_gpu
+@pytest.mark.skipif(not __import__("resserve_export.algorithms.kernel").algorithms.kernel.KERNEL_AVAILABLE, reason="needs a CUDA GPU and nvcc for the fused kernel")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_group_sums_in_one_call_match_the_triton_path(fmt, dtype):
+    """The extension's group sums (the group's GEMMs and reductions in one C++ call) against the
+    Triton reduction's: within 1e-5 relative (the same FP32 terms summed in another order), the
+    same bits on a second call, and taken by default once checked."""
+    from resserve_export.algorithms import kernel
+
+    c, x, grads = _three_members(fmt, "cuda", dtype)
+    prepared = c.prepare_fast(x)
+    assert isinstance(prepared[0], tuple)  # the split layout
+    want = c.group_sums_fast(prepared, [0, 1, 2], grads, stacked=True, native=False)
+    args = c._native_args(prepared, grads)
+    raw = kernel.group_sums_split(*args)
+    assert raw.dtype == torch.float64 and raw.shape == (1 + len(args[2]),)
+    got = c.group_sums_fast(prepared, [0, 1, 2], grads, stacked=True, native=True)
+    assert torch.allclose(got, want, rtol=1e-5, atol=0), (got, want)
+    assert torch.equal(kernel.group_sums_split(*args), raw)  # a fixed order
+    # One member alone, with each number of residue products the kernel takes (0 to 4).
+    for ne in range(len(args[2]) + 1):
+        one = kernel.group_sums_split(args[0], args[1], args[2][:ne], args[3][:96], [w[:96] for w in args[4][:ne]],
+                                      args[5][:1], args[6][:1], [0, 96], args[8])
+        ref = B.grad_sq_sums_split(grads[0], B.mm_f32(args[0], args[3][:96]), B.mm_f32(args[1], args[5][0]), args[8],
+                                   *[e @ w[:96].T for e, w in zip(args[2][:ne], args[4][:ne])])
+        assert torch.allclose(one, ref, rtol=1e-5, atol=0), (ne, one, ref)
+    B._GROUP_SUMS.pop(x.device, None)
+    auto = c.group_sums_fast(prepared, [0, 1, 2], grads)
+    assert B._GROUP_SUMS[x.device] is True and torch.equal(auto, got)
+
+
+@pytest.mark.gpu
+@triton_gpu
+@pytest.mark.skipif(not __import__("resserve_export.algorithms.kernel").algorithms.kernel.KERNEL_AVAILABLE, reason="needs a CUDA GPU and nvcc for the fused kernel")
+def test_gpu_group_sums_in_one_call_give_the_scores(tiny_bf16, monkeypatch):
+    """compute_scores with the group sums in one call against the Triton path's scores (1e-5)."""
+    import copy
+
+    model, groups, batches, stats = tiny_bf16
+    model = copy.deepcopy(model).cuda()
+    B._GROUP_SUMS.clear()
+    got = S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision="bf16")
+    assert B._GROUP_SUMS == {torch.device("cuda", torch.cuda.current_device()): True}
+    monkeypatch.setenv("RESSERVE_GROUP_SUMS", "0")
+    want = S.compute_scores(model, batches, stats, groups, "grad", show_progress=False, precision="bf16")
+    for a, b in zip(got["groups"], want["groups"]):
+        for k, v in b["scores"].items():
+            assert math.isclose(a["scores"][k], v, rel_tol=1e-5), (a["modules"], k, a["scores"][k], v)
+
+
+@pytest.mark.parametrize("outcome", ["close", "far", "raises"])
+def test_group_sums_in_one_call_are_checked_once_and_fall_back(outcome, monkeypatch):
+    """`bf16.checked_group_sums`: the first call on a device compares with the Python path; a
+    result past the tolerance or a failing extension returns the Python path's sums and turns
+    the extension off for that device; once checked, later calls skip the comparison."""
+    want = torch.tensor([4.0, 3.0, 2.0], dtype=torch.float64)
+    calls = {"ext": 0, "python": 0}
+
+    def ext(*args):
+        calls["ext"] += 1
+        if outcome == "raises":
+            raise RuntimeError("nvcc failed")
+        return want * (1 + (1e-6 if outcome == "close" else 1e-3))
+
+    def python():
+        calls["python"] += 1
+        return want
+
+    dev = torch.device("cpu")
+    monkeypatch.setattr(B.fused.ext, "group_sums_split", ext)
+    monkeypatch.setattr(B, "_GROUP_SUMS", {})
+    args = (None, torch.zeros(1))
+    first = B.checked_group_sums(args, python)
+    assert calls == {"ext": 1, "python": 1}
+    assert B._GROUP_SUMS[dev] is (outcome == "close")
+    if outcome == "close":
+        assert not torch.equal(first, want)  # the extension's result is used
+        B.checked_group_sums(args, python)
+        assert calls == {"ext": 2, "python": 1}  # checked once
+    else:
+        assert torch.equal(first, want)
+    monkeypatch.setattr(B.fused.ext, "KERNEL_AVAILABLE", True)
+    assert B.native_group_sums(torch.device("cuda", 0)) is True  # not tried there yet
+    assert B.native_group_sums(dev) is False  # never on a CPU
+    monkeypatch.setitem(B._GROUP_SUMS, torch.device("cuda", 0), outcome == "close")
+    assert B.native_group_sums(torch.device("cuda", 0)) is (outcome == "close")
+    monkeypatch.setenv("RESSERVE_GROUP_SUMS", "0")
+    assert B.native_group_sums(torch.device("cuda", 0)) is False
+
+
 def test_members_fed_other_inputs_are_scored_on_their_own():
     """Members of one group normally read the same tensor and are prepared once; a member fed
     another input is prepared from its own (the scores of the hooks equal each member's own)."""

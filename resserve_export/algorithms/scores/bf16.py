@@ -24,7 +24,9 @@ This module holds the layout-level pieces that do not depend on one group: the c
 operand preparation (`_prepare_body`, from the format's own block functions through
 `registry`), the choice of preparation backend (`prepare_backend`: compiled graph, fused CUDA
 kernel or eager reference), the squared-sum reductions, the FP32-output GEMM and the choice of
-layout. The per-group weights and the calls in order are `candidates.Candidates`' (its
+layout, and whether a group's split-layout GEMMs and sums run as one call of the CUDA extension
+(`native_group_sums`, `checked_group_sums`: on CUDA the scoring is bound by its host launches,
+and the Python path makes a GEMM and a Triton launch per member). The per-group weights and the calls in order are `candidates.Candidates`' (its
 ``*_fast`` methods).
 """
 
@@ -154,6 +156,44 @@ def grad_sq_sums_split(g, p, y, c, *es, out: torch.Tensor | None = None) -> torc
         return fused.sq_sums(g, p, y, c, *es, out=out)
     s = _fused(_sq_sums_split_eager, g.device)(g, p, y, c, *es).double()
     return s if out is None else out.add_(s)
+
+
+# Per CUDA device: True once the extension's group sums agreed with this module's on a group,
+# False once they disagreed or could not run (build or launch error); absent: not tried yet.
+_GROUP_SUMS: dict = {}
+# How far the extension's group sums may be from the Triton path's on the first group: the two sum
+# the same FP32 terms in other orders (≈ 1e-6 relative apart); an indexing or layout error is O(1).
+GROUP_SUMS_RTOL = 1e-4
+
+
+def native_group_sums(device: torch.device) -> bool:
+    """Whether a group's stacked split-layout sums go through the CUDA extension's one call
+    (`kernel.group_sums_split`: the group's GEMMs and reductions without a Python call per
+    member): on CUDA where the extension can build, unless ``RESSERVE_GROUP_SUMS=0`` or its first
+    group on `device` failed (`checked_group_sums`)."""
+    if device.type != "cuda" or os.environ.get("RESSERVE_GROUP_SUMS", "") == "0" or not fused.ext.KERNEL_AVAILABLE:
+        return False
+    return _GROUP_SUMS.get(device, True)
+
+
+def checked_group_sums(args: tuple, python) -> torch.Tensor:
+    """`kernel.group_sums_split(*args)`, the first time on a device also compared with
+    ``python()`` (the same sums through `grad_sq_sums_split`): a result further than
+    `GROUP_SUMS_RTOL` from it, or an extension that fails to build or launch, turns the extension
+    off for that device, and that call returns ``python()``."""
+    device = args[1].device
+    try:
+        out = fused.ext.group_sums_split(*args)
+    except Exception:  # noqa: BLE001 - any build or launch failure: the Python path's sums instead
+        _GROUP_SUMS[device] = False
+        return python()
+    if device not in _GROUP_SUMS:
+        want = python()
+        ok = out.shape == want.shape and bool(((out - want).abs() <= GROUP_SUMS_RTOL * want.abs()).all())
+        _GROUP_SUMS[device] = ok
+        if not ok:
+            return want
+    return out
 
 
 def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -39,12 +39,14 @@ from resserve_export.algorithms.scores import fused
 from resserve_export.algorithms.scores.bf16 import (
     PREPARE_ROWS,
     base_operand,
+    checked_group_sums,
     compiled_prepare,
     mm_f32,
     prepare_backend,
     split_base,
     grad_sq_sums,
     grad_sq_sums_split,
+    native_group_sums,
 )
 from resserve_export.algorithms.selection import (
     check_ratio,
@@ -390,20 +392,49 @@ class Candidates:
         device and reads them once (a sync per linear in the backward pass stalls the GPU)."""
         return self.group_sums_fast(prepared, [i], [grad])
 
-    def group_sums_fast(self, prepared, members: list[int], grads: list[torch.Tensor], stacked: bool | None = None) -> torch.Tensor:
+    def group_sums_fast(self, prepared, members: list[int], grads: list[torch.Tensor], stacked: bool | None = None,
+                        native: bool | None = None) -> torch.Tensor:
         """`member_sums_fast` summed over `members` (their gradients ``[M, N_i]`` in order).
         `stacked` (with every member): each candidate product is one GEMM over the group's stacked
         weights (`_fast_group`) and the reductions read each member's column block in place;
         otherwise the products run over each member's rows. None: stacked where the Triton
         reduction reads the blocks (`fused.available`); the compiled CPU reduction is slower on
-        strided blocks than the per-member products are."""
+        strided blocks than the per-member products are. `native` (stacked, split layout): the
+        whole group in one call of the CUDA extension (`bf16.checked_group_sums`); None: where
+        `bf16.native_group_sums`."""
         base, extra = prepared
-        comp = self._fast_spec()[0]
         split = isinstance(base, tuple)
         self._fast_weights(members[0], split)  # built once per layout
         if stacked is None:
             stacked = fused.available(grads[0].device)
         stacked = stacked and list(members) == list(range(len(self.linears)))
+        if native is None:
+            native = stacked and split and native_group_sums(grads[0].device)
+        if native:
+            total = checked_group_sums(self._native_args(prepared, grads), lambda: self._group_totals(prepared, members, grads, stacked))
+        else:
+            total = self._group_totals(prepared, members, grads, stacked)
+        # total: [plain, then the compensated ratios in order]; `ratios` is sorted, so it is the
+        # whole vector when it holds ratio 0 and the tail otherwise.
+        first = 0 if mode_of(self.ratios[0]) == "plain" else 1
+        return total[first : first + len(self.ratios)]
+
+    def _native_args(self, prepared, grads: list[torch.Tensor]) -> tuple:
+        """`kernel.group_sums_split`'s arguments for the whole group (stacked, split layout)."""
+        (xhat, x), extra = prepared
+        comp = self._fast_spec()[0]
+        b0, wres = self._fast_group[True]
+        return (
+            xhat, x, [extra[r] for r in comp], b0, [wres[r] for r in comp], [lin.weight.detach() for lin in self.linears],
+            [g.reshape(-1, g.shape[-1]) for g in grads], self.rows, self._c_on(grads[0].device),
+        )
+
+    def _group_totals(self, prepared, members: list[int], grads: list[torch.Tensor], stacked: bool) -> torch.Tensor:
+        """float64 ``[plain, each compensated ratio]`` over `members`, through `grad_sq_sums_split`
+        / `grad_sq_sums` (see `group_sums_fast`)."""
+        base, extra = prepared
+        comp = self._fast_spec()[0]
+        split = isinstance(base, tuple)
         if stacked:
             b0, wres = self._fast_group[split]
             es = [extra[r] @ wres[r].T for r in comp]
@@ -426,10 +457,7 @@ class Candidates:
             else:
                 s = grad_sq_sums(g, prod_k, *es_k).double() * c2
                 total = s if total is None else total + s
-        # total: [plain, then the compensated ratios in order]; `ratios` is sorted, so it is the
-        # whole vector when it holds ratio 0 and the tail otherwise.
-        first = 0 if mode_of(self.ratios[0]) == "plain" else 1
-        return total[first : first + len(self.ratios)]
+        return total
 
     def member_scores_fast(self, prepared, i: int, grad: torch.Tensor) -> dict[float, float]:
         """{ρ: Σ (∂L/∂Y ⊙ (Y_q(ρ) − Y))²} of member i (`member_sums_fast` read back)."""
