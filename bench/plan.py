@@ -194,6 +194,8 @@ def bench_scores(samples: int, seq_len: int, batch_size: int, kl_groups: int, re
 # The opt-in pieces, each alone and all together: (key, what the rows call it, environment).
 OPT_INS = (
     ("eager-pieces", "the models' own RMSNorms and the eager loss backward (`RESSERVE_FUSED_NORM=0 RESSERVE_FUSED_LOSS=0`; the defaults give their bits with less traffic)", {"RESSERVE_FUSED_NORM": "0", "RESSERVE_FUSED_LOSS": "0"}),
+    ("group-python", "each group's GEMMs and sums launched from Python, a Triton reduction per member (`RESSERVE_GROUP_SUMS=0`; the default is one call of the CUDA extension per group)", {"RESSERVE_GROUP_SUMS": "0"}),
+    ("old-paths", "all four defaults of 2026-12-07 off: norms, loss, group sums and the build in the forward pass (`RESSERVE_FUSED_NORM=0 RESSERVE_FUSED_LOSS=0 RESSERVE_GROUP_SUMS=0 RESSERVE_BUILD_IN_FORWARD=0`)", {"RESSERVE_FUSED_NORM": "0", "RESSERVE_FUSED_LOSS": "0", "RESSERVE_GROUP_SUMS": "0", "RESSERVE_BUILD_IN_FORWARD": "0"}),
     ("norm-eager", "the models' own RMSNorms and autograd (`RESSERVE_FUSED_NORM=0`; the default is their bits through `norm._ExactNorm`)", {"RESSERVE_FUSED_NORM": "0"}),
     ("loss", "the fused loss (`RESSERVE_FUSED_LOSS=1`)", {"RESSERVE_FUSED_LOSS": "1"}),
     ("norm", "the fused RMSNorms (`RESSERVE_FUSED_NORM=1`)", {"RESSERVE_FUSED_NORM": "1"}),
