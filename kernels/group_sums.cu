@@ -35,11 +35,43 @@ struct Residues {
   int64_t ld[kMaxE];
 };
 
-__device__ __forceinline__ float as_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float as_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float as_float(float v) { return v; }
+// V consecutive elements of a row as floats: V = 1 any layout, V = 4 vector loads (the caller
+// checks the alignment: 16 bytes for FP32, 8 bytes for 16-bit types).
+template <int V>
+__device__ __forceinline__ void load(const float* p, float (&v)[V]) {
+  if constexpr (V == 4) {
+    const float4 t = *reinterpret_cast<const float4*>(p);
+    v[0] = t.x, v[1] = t.y, v[2] = t.z, v[3] = t.w;
+  } else {
+    v[0] = *p;
+  }
+}
+template <int V>
+__device__ __forceinline__ void load(const __nv_bfloat16* p, float (&v)[V]) {
+  if constexpr (V == 4) {
+    const uint2 t = *reinterpret_cast<const uint2*>(p);
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&t.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&t.y));
+    v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+  } else {
+    v[0] = __bfloat162float(*p);
+  }
+}
+template <int V>
+__device__ __forceinline__ void load(const __half* p, float (&v)[V]) {
+  if constexpr (V == 4) {
+    const uint2 t = *reinterpret_cast<const uint2*>(p);
+    const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&t.x));
+    const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&t.y));
+    v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+  } else {
+    v[0] = __half2float(*p);
+  }
+}
 
-template <typename G, int NE>
+// Each thread takes V consecutive elements of a row per step (cols a multiple of V), kSumIters / V
+// steps, so a block covers kSumThreads * kSumIters elements whatever V is.
+template <typename G, int NE, int V>
 __global__ void __launch_bounds__(kSumThreads)
     sq_partials_kernel(const G* __restrict__ g, int64_t ld_g, const float* __restrict__ p, int64_t ld_p,
                        const float* __restrict__ y, int64_t ld_y, const float* __restrict__ cp, Residues es,
@@ -49,26 +81,37 @@ __global__ void __launch_bounds__(kSumThreads)
 #pragma unroll
   for (int j = 0; j <= NE; ++j) acc[j] = 0.0f;
   // Element idx of the row-major view, from one division per thread: each step moves
-  // kSumThreads elements on.
-  int64_t idx = static_cast<int64_t>(blockIdx.x) * (kSumThreads * kSumIters) + threadIdx.x;
+  // kSumThreads * V elements on.
+  constexpr int kStep = kSumThreads * V;
+  int64_t idx = static_cast<int64_t>(blockIdx.x) * (kSumThreads * kSumIters) + static_cast<int64_t>(threadIdx.x) * V;
   int64_t row = idx / cols, col = idx - row * cols;
-  for (int it = 0; it < kSumIters && idx < n; ++it, idx += kSumThreads) {
+  for (int it = 0; it < kSumIters / V && idx < n; ++it, idx += kStep) {
     if (it) {
-      col += kSumThreads;
+      col += kStep;
       while (col >= cols) {
         col -= cols;
         ++row;
       }
     }
-    const float gv = as_float(g[row * ld_g + col]);
-    const float d = __fsub_rn(__fmul_rn(c, p[row * ld_p + col]), y[row * ld_y + col]);
-    const float gd = __fmul_rn(gv, d);
-    acc[0] = __fadd_rn(acc[0], __fmul_rn(gd, gd));
+    float gv[V], pv[V], yv[V];
+    load<V>(g + row * ld_g + col, gv);
+    load<V>(p + row * ld_p + col, pv);
+    load<V>(y + row * ld_y + col, yv);
+    float gd[V];
+#pragma unroll
+    for (int u = 0; u < V; ++u) {
+      gd[u] = __fmul_rn(gv[u], __fsub_rn(__fmul_rn(c, pv[u]), yv[u]));
+      acc[0] = __fadd_rn(acc[0], __fmul_rn(gd[u], gd[u]));
+    }
 #pragma unroll
     for (int j = 0; j < NE; ++j) {
-      const float e = __bfloat162float(es.e[j][row * es.ld[j] + col]);
-      const float t = __fadd_rn(gd, __fmul_rn(gv, __fmul_rn(c, e)));
-      acc[j + 1] = __fadd_rn(acc[j + 1], __fmul_rn(t, t));
+      float ev[V];
+      load<V>(es.e[j] + row * es.ld[j] + col, ev);
+#pragma unroll
+      for (int u = 0; u < V; ++u) {
+        const float t = __fadd_rn(gd[u], __fmul_rn(gv[u], __fmul_rn(c, ev[u])));
+        acc[j + 1] = __fadd_rn(acc[j + 1], __fmul_rn(t, t));
+      }
     }
   }
   // Warp sums by shuffles, then the warps' sums in warp order: a fixed order.
@@ -107,20 +150,39 @@ __global__ void __launch_bounds__(kSumThreads)
   if (threadIdx.x == 0) out[j] = __dadd_rn(out[j], sums[0]);
 }
 
-template <typename G>
+template <typename G, int V>
 int launch_partials(const void* g, int64_t ld_g, const float* p, int64_t ld_p, const float* y, int64_t ld_y,
                     const float* c, const Residues& es, int ne, int64_t n, int64_t cols, float* part,
                     unsigned blocks, cudaStream_t stream) {
   const G* gt = static_cast<const G*>(g);
   switch (ne) {
-    case 0: sq_partials_kernel<G, 0><<<blocks, kSumThreads, 0, stream>>>(gt, ld_g, p, ld_p, y, ld_y, c, es, n, cols, part); break;
-    case 1: sq_partials_kernel<G, 1><<<blocks, kSumThreads, 0, stream>>>(gt, ld_g, p, ld_p, y, ld_y, c, es, n, cols, part); break;
-    case 2: sq_partials_kernel<G, 2><<<blocks, kSumThreads, 0, stream>>>(gt, ld_g, p, ld_p, y, ld_y, c, es, n, cols, part); break;
-    case 3: sq_partials_kernel<G, 3><<<blocks, kSumThreads, 0, stream>>>(gt, ld_g, p, ld_p, y, ld_y, c, es, n, cols, part); break;
-    case 4: sq_partials_kernel<G, 4><<<blocks, kSumThreads, 0, stream>>>(gt, ld_g, p, ld_p, y, ld_y, c, es, n, cols, part); break;
+#define RESSERVE_PARTIALS(NE)                                                                                    \
+  case NE:                                                                                                       \
+    sq_partials_kernel<G, NE, V><<<blocks, kSumThreads, 0, stream>>>(gt, ld_g, p, ld_p, y, ld_y, c, es, n, cols, \
+                                                                     part);                                      \
+    break;
+    RESSERVE_PARTIALS(0)
+    RESSERVE_PARTIALS(1)
+    RESSERVE_PARTIALS(2)
+    RESSERVE_PARTIALS(3)
+    RESSERVE_PARTIALS(4)
+#undef RESSERVE_PARTIALS
     default: return cudaErrorInvalidValue;
   }
   return static_cast<int>(cudaGetLastError());
+}
+
+template <typename G>
+int launch_partials(bool vec, const void* g, int64_t ld_g, const float* p, int64_t ld_p, const float* y, int64_t ld_y,
+                    const float* c, const Residues& es, int ne, int64_t n, int64_t cols, float* part,
+                    unsigned blocks, cudaStream_t stream) {
+  return vec ? launch_partials<G, 4>(g, ld_g, p, ld_p, y, ld_y, c, es, ne, n, cols, part, blocks, stream)
+             : launch_partials<G, 1>(g, ld_g, p, ld_p, y, ld_y, c, es, ne, n, cols, part, blocks, stream);
+}
+
+// Whether pointer `ptr` and row stride `ld` (elements of `size` bytes) allow loads of 4 elements.
+inline bool aligned4(const void* ptr, int64_t ld, int size) {
+  return reinterpret_cast<uintptr_t>(ptr) % (4 * size) == 0 && ld % 4 == 0;
 }
 
 }  // namespace resserve
@@ -156,10 +218,12 @@ extern "C" int resserve_sq_partials(const void* g, int g_dtype, int64_t ld_g, co
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
   const auto s = static_cast<cudaStream_t>(stream);
   const auto b = static_cast<unsigned>(blocks);
+  bool vec = cols % 4 == 0 && aligned4(g, ld_g, g_dtype == 2 ? 4 : 2) && aligned4(p, ld_p, 4) && aligned4(y, ld_y, 4);
+  for (int j = 0; j < ne; ++j) vec = vec && aligned4(r.e[j], r.ld[j], 2);
   switch (g_dtype) {
-    case 0: return launch_partials<__nv_bfloat16>(g, ld_g, p, ld_p, y, ld_y, c, r, ne, n, cols, part, b, s);
-    case 1: return launch_partials<__half>(g, ld_g, p, ld_p, y, ld_y, c, r, ne, n, cols, part, b, s);
-    case 2: return launch_partials<float>(g, ld_g, p, ld_p, y, ld_y, c, r, ne, n, cols, part, b, s);
+    case 0: return launch_partials<__nv_bfloat16>(vec, g, ld_g, p, ld_p, y, ld_y, c, r, ne, n, cols, part, b, s);
+    case 1: return launch_partials<__half>(vec, g, ld_g, p, ld_p, y, ld_y, c, r, ne, n, cols, part, b, s);
+    case 2: return launch_partials<float>(vec, g, ld_g, p, ld_p, y, ld_y, c, r, ne, n, cols, part, b, s);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -713,6 +713,12 @@ def test_gpu_fused_operands_are_bit_identical(fmt, backend):
     # A column slice of the codes (how the fused CUDA kernel's [X̂ | R̂_S] is split).
     s = FP4Tensor(q.fmt, q.codes[:, 128:], q.scales[:, 256 // f.block :], q.global_scale)
     assert torch.equal(bits(fused.exact_bf16(s, f, backend)), bits(exact_operand(s)))
+    # Rows 20 bytes apart (not a multiple of 8): the extension's one-byte-a-thread path; every
+    # byte value, so every code and -0.
+    wide = torch.arange(300 * 20, device="cuda").remainder(256).to(torch.uint8).reshape(300, 20)
+    t = FP4Tensor(q.fmt, wide[:, :16], q.scales[:, : 32 // f.block], q.global_scale)
+    tc = FP4Tensor(q.fmt, wide[:, :16].contiguous(), q.scales[:, : 32 // f.block].contiguous(), q.global_scale)
+    assert torch.equal(bits(fused.exact_bf16(t, f, backend)), bits(exact_operand(tc)))
     # No rows: an empty operand, no launch.
     e = FP4Tensor(q.fmt, q.codes[:0], q.scales[:0], q.global_scale)
     assert fused.exact_bf16(e, f, backend).shape == (0, 512)
@@ -847,6 +853,12 @@ def test_gpu_group_sums_in_one_call_match_the_triton_path(fmt, dtype):
         ref = B.grad_sq_sums_split(grads[0], B.mm_f32(args[0], args[3][:96]), B.mm_f32(args[1], args[5][0]), args[8],
                                    *[e @ w[:96].T for e, w in zip(args[2][:ne], args[4][:ne])])
         assert torch.allclose(one, ref, rtol=1e-5, atol=0), (ne, one, ref)
+    # 90 columns (not a multiple of 4): the kernel's one-element-a-step path.
+    one = kernel.group_sums_split(args[0], args[1], args[2], args[3][:90], [w[:90] for w in args[4]], [args[5][0][:90]],
+                                  [grads[0][:, :90]], [0, 90], args[8])
+    ref = B.grad_sq_sums_split(grads[0][:, :90], B.mm_f32(args[0], args[3][:90]), B.mm_f32(args[1], args[5][0][:90]),
+                               args[8], *[e @ w[:90].T for e, w in zip(args[2], args[4])])
+    assert torch.allclose(one, ref, rtol=1e-5, atol=0), (one, ref)
     B._GROUP_SUMS.pop(x.device, None)
     auto = c.group_sums_fast(prepared, [0, 1, 2], grads)
     assert B._GROUP_SUMS[x.device] is True and torch.equal(auto, got)
