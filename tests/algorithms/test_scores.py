@@ -608,6 +608,16 @@ def test_memory_bounded_pool_gives_the_same_scores(tiny, tiny_bf16, method, prec
     assert [g["scores"] for g in tight["groups"]] == [g["scores"] for g in kept["groups"]]
 
 
+def test_default_budget_counts_the_allocator_cache_as_free(monkeypatch):
+    """On CUDA the budget is half of the driver's free memory plus what PyTorch's caching
+    allocator reserved and does not use (the candidates' allocations reuse it first)."""
+    monkeypatch.delenv("RESSERVE_SCORE_MEMORY_GB", raising=False)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 50 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 20 * 2**30)
+    assert S.default_budget(torch.device("cuda", 0)) == 20 * 2**30  # (10 + 50 - 20) / 2
+
+
 def test_default_budget_reads_the_environment(monkeypatch):
     monkeypatch.setenv("RESSERVE_SCORE_MEMORY_GB", "1.5")
     assert S.default_budget(torch.device("cpu")) == int(1.5 * 2**30)

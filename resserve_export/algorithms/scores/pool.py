@@ -37,12 +37,17 @@ from resserve_export.algorithms.scores.worker import enter_thread
 
 def default_budget(device: torch.device) -> int:
     """Bytes the scores may spend on kept candidates: half the memory free on `device` now
-    (``RESSERVE_SCORE_MEMORY_GB`` overrides)."""
+    (``RESSERVE_SCORE_MEMORY_GB`` overrides). On CUDA, free includes what PyTorch's caching
+    allocator holds without using it (reserved − allocated): the driver counts that as taken,
+    yet the candidates' allocations reuse it first. After a calibration pass or an earlier run
+    that cache can be most of the card, and the driver's figure alone left groups out of the
+    budget, to be quantized again in every batch."""
     env = os.environ.get("RESSERVE_SCORE_MEMORY_GB")
     if env:
         return int(float(env) * 2**30)
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0] * 0.5)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int((torch.cuda.mem_get_info(device)[0] + max(cached, 0)) * 0.5)
     try:
         return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.5)
     except (ValueError, OSError, AttributeError):
