@@ -26,8 +26,8 @@ operand preparation (`_prepare_body`, from the format's own block functions thro
 kernel or eager reference), the squared-sum reductions, the FP32-output GEMM and the choice of
 layout, and whether a group's split-layout GEMMs and sums run as one call of the CUDA extension
 (`native_group_sums`, `checked_group_sums`: on CUDA the scoring is bound by its host launches,
-and the Python path makes a GEMM and a Triton launch per member). The per-group weights and the calls in order are `candidates.Candidates`' (its
-``*_fast`` methods).
+and the Python path makes a GEMM and a Triton launch per member). The per-group weights and the
+calls in order are `candidates.Candidates`' (its ``*_fast`` methods).
 """
 
 from __future__ import annotations
