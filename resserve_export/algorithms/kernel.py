@@ -92,42 +92,35 @@ KERNEL_UNAVAILABLE_REASON = _unavailable_reason()
 KERNEL_AVAILABLE = KERNEL_UNAVAILABLE_REASON is None
 
 
-@functools.lru_cache(maxsize=None)
-def _extension():
-    """Build (or load the cached build of) the extension for the GPU present."""
-    if not KERNEL_AVAILABLE:
-        raise KernelUnavailable(KERNEL_UNAVAILABLE_REASON)
-
-    major, minor = torch.cuda.get_device_capability()
-    os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
-    d = kernels_dir()
-    return load(
-        name=f"resserve_qext_sm{major}{minor}",
-        sources=[str(d / s) for s in _SOURCES],
-        extra_cflags=["-O3", "-std=c++17"],
-        extra_cuda_cflags=list(CUDA_FLAGS),
-        verbose=os.environ.get("RESSERVE_KERNEL_VERBOSE") == "1",
-    )
-
-
-@functools.lru_cache(maxsize=None)
-def _group_extension():
-    """Build (or load the cached build of) the group-reduction extension for the GPU present."""
+def _build(prefix: str, sources: tuple) -> object:
+    """Build (or load the cached build of) the extension of `sources` for the GPU present."""
     if not KERNEL_AVAILABLE:
         raise KernelUnavailable(KERNEL_UNAVAILABLE_REASON)
     d = kernels_dir()
-    missing = [s for s in _GROUP_SOURCES if not (d / s).is_file()]
+    missing = [s for s in sources if not (d / s).is_file()]
     if missing:
         raise KernelUnavailable(f"the kernel sources {missing} were not found in {d}")
     major, minor = torch.cuda.get_device_capability()
     os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
     return load(
-        name=f"resserve_gsums_sm{major}{minor}",
-        sources=[str(d / s) for s in _GROUP_SOURCES],
+        name=f"{prefix}_sm{major}{minor}",
+        sources=[str(d / s) for s in sources],
         extra_cflags=["-O3", "-std=c++17"],
         extra_cuda_cflags=list(CUDA_FLAGS),
         verbose=os.environ.get("RESSERVE_KERNEL_VERBOSE") == "1",
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _extension():
+    """The quantize-and-extend extension (with the exact operands and the group preparation)."""
+    return _build("resserve_qext", _SOURCES)
+
+
+@functools.lru_cache(maxsize=None)
+def _group_extension():
+    """The grad scores' group-reduction extension."""
+    return _build("resserve_gsums", _GROUP_SOURCES)
 
 
 def group_sums_split(xhat, x, extras, b0, wres, weights, grads, rows, c) -> torch.Tensor:
