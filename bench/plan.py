@@ -196,6 +196,7 @@ OPT_INS = (
     ("eager-pieces", "the models' own RMSNorms and the eager loss backward (`RESSERVE_FUSED_NORM=0 RESSERVE_FUSED_LOSS=0`; the defaults give their bits with less traffic)", {"RESSERVE_FUSED_NORM": "0", "RESSERVE_FUSED_LOSS": "0"}),
     ("group-python", "each group's GEMMs and sums launched from Python, a Triton reduction per member (`RESSERVE_GROUP_SUMS=0`; the default is one call of the CUDA extension per group)", {"RESSERVE_GROUP_SUMS": "0"}),
     ("old-paths", "all four defaults of 2026-12-07 off: norms, loss, group sums and the build in the forward pass (`RESSERVE_FUSED_NORM=0 RESSERVE_FUSED_LOSS=0 RESSERVE_GROUP_SUMS=0 RESSERVE_BUILD_IN_FORWARD=0`)", {"RESSERVE_FUSED_NORM": "0", "RESSERVE_FUSED_LOSS": "0", "RESSERVE_GROUP_SUMS": "0", "RESSERVE_BUILD_IN_FORWARD": "0"}),
+    ("norm-ext", "the exact norms' steps launched from the CUDA extension, not Triton (`RESSERVE_NORM_LAUNCH=extension`)", {"RESSERVE_NORM_LAUNCH": "extension"}),
     ("norm-eager", "the models' own RMSNorms and autograd (`RESSERVE_FUSED_NORM=0`; the default is their bits through `norm._ExactNorm`)", {"RESSERVE_FUSED_NORM": "0"}),
     ("loss", "the fused loss (`RESSERVE_FUSED_LOSS=1`)", {"RESSERVE_FUSED_LOSS": "1"}),
     ("norm", "the fused RMSNorms (`RESSERVE_FUSED_NORM=1`)", {"RESSERVE_FUSED_NORM": "1"}),

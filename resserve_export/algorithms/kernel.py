@@ -43,6 +43,8 @@ _SOURCES = ("quantize_extend.cu", "exact_operand.cu", "binding.cpp")
 # The grad scores' group reduction: an extension of its own, so that its build failing leaves the
 # quantize-and-extend kernel usable.
 _GROUP_SOURCES = ("group_sums.cu", "group_sums_binding.cpp")
+# The exact RMSNorm's elementwise steps, launched from C++ (opt-in: `scores.norm`).
+_NORM_SOURCES = ("rms_norm.cu", "rms_norm_binding.cpp")
 # Compiler flags: no fast math, and no multiply fused into an add anywhere (the order of docs/formats.md, "NVFP4").
 CUDA_FLAGS = ("-O3", "-std=c++17", "-fmad=false")
 # Rows each thread loads before computing (1, 2 or 4): more bytes in flight per thread.
@@ -121,6 +123,30 @@ def _extension():
 def _group_extension():
     """The grad scores' group-reduction extension."""
     return _build("resserve_gsums", _GROUP_SOURCES)
+
+
+@functools.lru_cache(maxsize=None)
+def _norm_extension():
+    """The exact RMSNorm steps' extension."""
+    return _build("resserve_norm", _NORM_SOURCES)
+
+
+def norm_square(x: torch.Tensor, p: torch.Tensor) -> None:
+    """p = x² in FP32 (kernels/rms_norm.cu): x contiguous bf16/fp16 CUDA, p contiguous FP32 of x's size."""
+    _norm_extension().norm_square(x, p)
+
+
+def norm_output(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor, y: torch.Tensor, gemma: bool) -> None:
+    """y = w · narrow(x · r), or narrow(x · r · w) with ``gemma`` (w = 1 + weight in FP32): the exact
+    RMSNorm's output, into y (contiguous, x's dtype); r one FP32 1/rms a row."""
+    _norm_extension().norm_output(x, w, r, y, gemma)
+
+
+def norm_backward(dy, w, x, r, gp, out, gemma: bool, grad: bool, lead) -> None:
+    """The exact RMSNorm's backward step into `out`: with `grad` x's gradient narrow(gh · r + gp · 2x),
+    else the FP32 product gh · x whose row sum is 1/rms's gradient (gh = dy · w, narrowed in the
+    Llama form). `lead`: dy's (d1, d2, s0, s1, s2) and out's (o0, o1, o2), `scores.norm._lead`'s."""
+    _norm_extension().norm_backward(dy, w, x, r, gp, out, gemma, grad, list(lead))
 
 
 def group_sums_split(xhat, x, extras, b0, wres, weights, grads, rows, c) -> torch.Tensor:
@@ -415,6 +441,9 @@ __all__ = [
     "backend_for",
     "exact_bf16",
     "group_sums_split",
+    "norm_backward",
+    "norm_output",
+    "norm_square",
     "kernels_dir",
     "quantize_extend",
     "quantize_full",

@@ -316,3 +316,49 @@ def test_gpu_exact_norms_give_the_eager_scores_bit_for_bit(monkeypatch):
     (with PyTorch's math attention, whose backward is deterministic)."""
     with _deterministic_attention():
         assert_fused_scores_as_eager(monkeypatch, {"RESSERVE_FUSED_NORM": "exact"}, rel_tol=0.0)
+
+
+def test_exact_norms_launch_from_the_extension_only_when_asked(monkeypatch):
+    """`RESSERVE_NORM_LAUNCH=extension` is opt-in, and only for CUDA tensors where the extension
+    can build; CPU tensors keep the Triton kernels (the interpreter's path)."""
+    from resserve_export.algorithms import kernel
+
+    monkeypatch.delenv("RESSERVE_NORM_LAUNCH", raising=False)
+    monkeypatch.setattr(kernel, "KERNEL_AVAILABLE", True)
+    cpu = torch.zeros(2, 8)
+    assert not NM._from_extension(cpu)
+    monkeypatch.setenv("RESSERVE_NORM_LAUNCH", "extension")
+    assert not NM._from_extension(cpu)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert NM._from_extension(cpu)
+    monkeypatch.setattr(kernel, "KERNEL_AVAILABLE", False)
+    assert not NM._from_extension(cpu)
+
+
+ext_gpu = pytest.mark.skipif(
+    not __import__("resserve_export.algorithms.kernel").algorithms.kernel.KERNEL_AVAILABLE,
+    reason="needs a CUDA GPU and nvcc for the project's CUDA extension",
+)
+
+
+@pytest.mark.gpu
+@triton_gpu
+@ext_gpu
+def test_gpu_exact_norms_launched_from_the_extension_give_the_eager_bits(monkeypatch):
+    """``RESSERVE_NORM_LAUNCH=extension``: the exact mode's steps from kernels/rms_norm.cu give
+    transformers' norms bit for bit (both forms, bf16 and fp16, 2-D and 4-D inputs, a transposed
+    output gradient), whole tiny models their loss and input gradient, and the scores the eager
+    ones exactly; the extension is what ran."""
+    from resserve_export.algorithms import kernel
+
+    monkeypatch.setenv("RESSERVE_FUSED_NORM", "exact")
+    monkeypatch.setenv("RESSERVE_NORM_LAUNCH", "extension")
+    calls = []
+    for name in ("norm_square", "norm_output", "norm_backward"):
+        real = getattr(kernel, name)
+        monkeypatch.setattr(kernel, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+    _kernel_cases("cuda")
+    _model_cases("cuda")
+    assert {"norm_square", "norm_output", "norm_backward"} <= set(calls)
+    with _deterministic_attention():
+        assert_fused_scores_as_eager(monkeypatch, {"RESSERVE_FUSED_NORM": "exact", "RESSERVE_NORM_LAUNCH": "extension"}, rel_tol=0.0)

@@ -19,7 +19,10 @@ per-head q/k norms) are the largest share of the model's own non-GEMM memory tra
   on a class's first call its output and input gradient under a random output gradient, and later
   the output for every new width and dtype and the gradient for every new layout of the output's
   gradient, each against the module's own forward and autograd. Any difference sends the class
-  back to its own forward, and the call that found it takes the eager result.
+  back to its own forward, and the call that found it takes the eager result. With
+  ``RESSERVE_NORM_LAUNCH=extension`` (opt-in, not yet measured) the same steps launch from the
+  project's CUDA extension (kernels/rms_norm.cu) instead of Triton's Python launcher, which cost
+  the host ≈ 65 µs a launch in the scores' profile on an H100 (`_from_extension`).
 - ``all`` (`_FusedNorm`, ``RESSERVE_FUSED_NORM=1``): the forward reads each row once and writes
   the output and the row's 1/rms; the backward reads the row, the output's gradient and the weight
   once and writes the input's gradient. Their sums run in another order, so a few values differ in
@@ -54,6 +57,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from resserve_export.algorithms import kernel
 from resserve_export.core.compiling import identical, kernel_available, launch_device, triton_kernel
 
 # How the kernels round their FP32 results to the input's dtype (a constexpr of both kernels).
@@ -267,20 +271,28 @@ class _ExactNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, eps: float, gemma: bool, check):
-        square, output, _ = _exact_kernels()
         N = x.shape[-1]
         rows = x.numel() // N if N else 0
         p = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        block = _next_power_of_2(N)
         wk = (1.0 + w.float()) if gemma else w  # Gemma's factor, as the module forms it
+        ext = _from_extension(x)
+        if not ext:
+            square, output, _ = _exact_kernels()
+            block = _next_power_of_2(N)
         with launch_device(x):
             if rows:
-                square[(rows,)](x, p, N, BLOCK=block, num_warps=_warps(block))
+                if ext:
+                    kernel.norm_square(x, p)
+                else:
+                    square[(rows,)](x, p, N, BLOCK=block, num_warps=_warps(block))
             r = torch.rsqrt(p.mean(-1, keepdim=True) + eps)
             del p
             y = torch.empty_like(x, memory_format=torch.contiguous_format)
             if rows:
-                output[(rows,)](x, wk, r, y, N, GEMMA=gemma, KIND=_KIND[x.dtype], BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
+                if ext:
+                    kernel.norm_output(x, wk, r, y, gemma)
+                else:
+                    output[(rows,)](x, wk, r, y, N, GEMMA=gemma, KIND=_KIND[x.dtype], BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
         ctx.save_for_backward(x, wk, r)
         ctx.gemma, ctx.check = gemma, check
         return y
@@ -314,7 +326,6 @@ def _exact_backward(x: torch.Tensor, wk: torch.Tensor, r: torch.Tensor, dy: torc
     """x's gradient with the eager chain's bits. The product whose row sum is 1/rms's gradient is
     written in dy's layout, as autograd's product of the two would be, and summed by PyTorch; the
     per-row steps that follow are PyTorch's own ops on ``[..., 1]`` tensors."""
-    _, _, kernel = _exact_kernels()
     N = x.shape[-1]
     rows = x.numel() // N if N else 0
     din = _lead(dy)
@@ -323,19 +334,36 @@ def _exact_backward(x: torch.Tensor, wk: torch.Tensor, r: torch.Tensor, dy: torc
         din = _lead(dy)
     # dy's strides where dy is dense, else contiguous: a last dim of unit stride either way.
     t = torch.empty_like(dy, dtype=torch.float32)
-    block = _next_power_of_2(N)
-    kind = _KIND[x.dtype]
+    ext = _from_extension(x)
+    if ext:
+        def step(gp, out, grad):
+            kernel.norm_backward(dy, wk, x, r, gp, out, gemma, grad, (*din, *_lead(out)[2:]))
+    else:
+        _, _, bwd = _exact_kernels()
+        block, kind = _next_power_of_2(N), _KIND[x.dtype]
+
+        def step(gp, out, grad):
+            bwd[(rows,)](dy, wk, x, r, gp, out, N, *din, *_lead(out)[2:], GEMMA=gemma, KIND=kind, GRAD=grad, BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
     with launch_device(x):
         if rows:
-            kernel[(rows,)](dy, wk, x, r, r, t, N, *din, *_lead(t)[2:], GEMMA=gemma, KIND=kind, GRAD=False, BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
+            step(r, t, False)
         s = t.sum(-1, keepdim=True)
         del t
         # rsqrt's backward (−½·g·r³), then the mean's (g / N), as autograd's formulas write them.
         gp = (((-0.5 * s) * r.pow(3)) / N).reshape(-1).contiguous()
         dx = torch.empty_like(x, memory_format=torch.contiguous_format)
         if rows:
-            kernel[(rows,)](dy, wk, x, r, gp, dx, N, *din, *_lead(dx)[2:], GEMMA=gemma, KIND=kind, GRAD=True, BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
+            step(gp, dx, True)
     return dx
+
+
+def _from_extension(x: torch.Tensor) -> bool:
+    """Whether `_ExactNorm` launches its steps through the project's CUDA extension
+    (kernels/rms_norm.cu, ``RESSERVE_NORM_LAUNCH=extension``) instead of its Triton kernels: the same
+    steps and roundings, a C++ launch's host cost instead of Triton's launcher (≈ 65 µs a launch,
+    four a norm and pass, in the scores' host profile on an H100: bench/results/plan.md). Opt-in
+    until measured on a GPU; each class is still checked against its own forward and autograd."""
+    return x.is_cuda and os.environ.get("RESSERVE_NORM_LAUNCH", "") == "extension" and kernel.KERNEL_AVAILABLE
 
 
 def _backward(x: torch.Tensor, w: torch.Tensor, r: torch.Tensor | None, dy: torch.Tensor, eps: float, gemma: bool) -> torch.Tensor:
