@@ -275,24 +275,15 @@ class _ExactNorm(torch.autograd.Function):
         rows = x.numel() // N if N else 0
         p = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         wk = (1.0 + w.float()) if gemma else w  # Gemma's factor, as the module forms it
-        ext = _from_extension(x)
-        if not ext:
-            square, output, _ = _exact_kernels()
-            block = _next_power_of_2(N)
+        square, output, _ = _exact_steps(x, gemma)
         with launch_device(x):
             if rows:
-                if ext:
-                    kernel.norm_square(x, p)
-                else:
-                    square[(rows,)](x, p, N, BLOCK=block, num_warps=_warps(block))
+                square(p)
             r = torch.rsqrt(p.mean(-1, keepdim=True) + eps)
             del p
             y = torch.empty_like(x, memory_format=torch.contiguous_format)
             if rows:
-                if ext:
-                    kernel.norm_output(x, wk, r, y, gemma)
-                else:
-                    output[(rows,)](x, wk, r, y, N, GEMMA=gemma, KIND=_KIND[x.dtype], BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
+                output(wk, r, y)
         ctx.save_for_backward(x, wk, r)
         ctx.gemma, ctx.check = gemma, check
         return y
@@ -334,27 +325,39 @@ def _exact_backward(x: torch.Tensor, wk: torch.Tensor, r: torch.Tensor, dy: torc
         din = _lead(dy)
     # dy's strides where dy is dense, else contiguous: a last dim of unit stride either way.
     t = torch.empty_like(dy, dtype=torch.float32)
-    ext = _from_extension(x)
-    if ext:
-        def step(gp, out, grad):
-            kernel.norm_backward(dy, wk, x, r, gp, out, gemma, grad, (*din, *_lead(out)[2:]))
-    else:
-        _, _, bwd = _exact_kernels()
-        block, kind = _next_power_of_2(N), _KIND[x.dtype]
-
-        def step(gp, out, grad):
-            bwd[(rows,)](dy, wk, x, r, gp, out, N, *din, *_lead(out)[2:], GEMMA=gemma, KIND=kind, GRAD=grad, BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)
+    _, _, step = _exact_steps(x, gemma)
     with launch_device(x):
         if rows:
-            step(r, t, False)
+            step(dy, din, wk, r, r, t, False)
         s = t.sum(-1, keepdim=True)
         del t
         # rsqrt's backward (−½·g·r³), then the mean's (g / N), as autograd's formulas write them.
         gp = (((-0.5 * s) * r.pow(3)) / N).reshape(-1).contiguous()
         dx = torch.empty_like(x, memory_format=torch.contiguous_format)
         if rows:
-            step(gp, dx, True)
+            step(dy, din, wk, r, gp, dx, True)
     return dx
+
+
+def _exact_steps(x: torch.Tensor, gemma: bool) -> tuple:
+    """`_ExactNorm`'s three elementwise steps on x (contiguous ``[..., N]``), each a callable that
+    launches it over x's rows through the launcher `_from_extension` picks: ``square(p)`` (p = x²),
+    ``output(wk, r, y)`` and ``backward(dy, din, wk, r, gp, out, grad)`` (din: dy's `_lead`)."""
+    N = x.shape[-1]
+    if _from_extension(x):
+        return (
+            lambda p: kernel.norm_square(x, p),
+            lambda wk, r, y: kernel.norm_output(x, wk, r, y, gemma),
+            lambda dy, din, wk, r, gp, out, grad: kernel.norm_backward(dy, wk, x, r, gp, out, gemma, grad, (*din, *_lead(out)[2:])),
+        )
+    square, output, backward = _exact_kernels()
+    rows, block, kind = x.numel() // N if N else 0, _next_power_of_2(N), _KIND[x.dtype]
+    fixed = {"GEMMA": gemma, "KIND": kind, "BLOCK": block, "num_warps": _warps(block), "enable_fp_fusion": False}
+    return (
+        lambda p: square[(rows,)](x, p, N, BLOCK=block, num_warps=_warps(block)),
+        lambda wk, r, y: output[(rows,)](x, wk, r, y, N, **fixed),
+        lambda dy, din, wk, r, gp, out, grad: backward[(rows,)](dy, wk, x, r, gp, out, N, *din, *_lead(out)[2:], GRAD=grad, **fixed),
+    )
 
 
 def _from_extension(x: torch.Tensor) -> bool:
